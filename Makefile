@@ -1,0 +1,45 @@
+# kv-sidecar: two commands do all the set-up on a fresh machine.
+#   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
+#   make test   - build .venv (and .venv-vllm), run lint, unit, Prometheus/Alertmanager e2e and vLLM tests
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+FAULT ?= zero-block
+DEMO_ARGS ?=
+
+.PHONY: demo test venv lint test-unit test-e2e test-vllm bench clean
+
+venv: $(VENV)/.installed
+
+# torch first and pinned, so no other requirement drags in a CUDA build (ENGINES.md).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(VENV)/bin/kv-sidecar demo --fault $(FAULT) $(DEMO_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check sidecar tests dashboards alerts examples
+	$(VENV)/bin/mypy sidecar
+
+test-unit: venv
+	$(PY) -m pytest -q -m "not e2e and not vllm" tests
+
+test-e2e: venv
+	bash scripts/test-e2e.sh
+
+test-vllm: venv
+	bash scripts/test-vllm.sh
+
+test: lint test-unit test-e2e test-vllm
+
+bench: venv
+	$(VENV)/bin/kv-sidecar bench detection
+
+clean:
+	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache

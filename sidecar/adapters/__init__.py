@@ -1,0 +1,1 @@
+"""Engine adapters: the only place engine-specific code lives."""

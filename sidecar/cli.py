@@ -1,0 +1,180 @@
+"""``kv-sidecar``: the command line.
+
+Subcommands:
+  demo      run the reference engine under a chat workload with the sidecar attached
+  faults    list the faults the reference engine can inject
+  signals   list the exported signals (``--markdown`` prints the README table)
+  bench     benchmarks (``bench detection``)
+
+Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from sidecar import __version__
+
+
+class UsageError(Exception):
+    """Bad user input: printed without a traceback, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value}")
+    return value
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kv-sidecar",
+        description="Verify that an LLM engine's KV-cache hits hold the right KV: sample 1 in "
+                    "N hits, recompute the KV for the prefix, compare, and export the anomaly "
+                    "rate next to the hit rate (Prometheus /metrics, OpenTelemetry).")
+    p.add_argument("--version", action="version", version=f"kv-sidecar {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo", help="reference engine + sidecar under a chat workload, optionally with a fault",
+        description="Run the reference paged engine (a tiny random-init Llama) under a seeded "
+                    "multi-turn chat workload with kv-sidecar attached, serve /metrics, "
+                    "/healthz and /status on 127.0.0.1 while it runs, and print a summary. "
+                    "With --fault, the engine corrupts its cache in the named way from a "
+                    "request index on, and the summary shows what the sidecar caught.")
+    d.add_argument("--fault", default="none", metavar="NAME",
+                   help="fault to inject (see `kv-sidecar faults`); default: none")
+    d.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="model and KV dtype (default: float32)")
+    d.add_argument("--requests", type=_positive_int, default=400,
+                   help="requests to serve (default: 400)")
+    d.add_argument("--sample-every", type=_positive_int, default=4, metavar="N",
+                   help="verify 1 hit in every N (default for the demo: 4; production: 1000)")
+    d.add_argument("--seed", type=int, default=0, help="seed for model, workload and faults")
+    d.add_argument("--port", type=_port, default=9464,
+                   help="port for /metrics on 127.0.0.1 (0 = any free port; default: 9464)")
+    d.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the table (progress goes to stderr)")
+    d.add_argument("--hold", type=_nonneg_float, default=0.0, metavar="SECONDS",
+                   help="keep serving /metrics this long after the workload ends")
+    d.add_argument("--pace", type=_nonneg_float, default=0.0, metavar="SECONDS",
+                   help="sleep between requests (stretches the run for live scraping)")
+    d.add_argument("--evidence-dir", default=None, metavar="DIR",
+                   help="write one JSON evidence file per anomaly here")
+    d.add_argument("--otel", choices=("none", "console"), default="none",
+                   help="also export through OpenTelemetry (console exporter)")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+
+    sub.add_parser("faults", help="list the injectable faults",
+                   description="List the faults the reference engine can inject by name.")
+
+    s = sub.add_parser("signals", help="list the exported signals",
+                       description="List every signal kv-sidecar exports (the single source "
+                                   "of truth in sidecar/signals.py).")
+    s.add_argument("--markdown", action="store_true", help="print the README's table")
+    return p
+
+
+def cmd_faults() -> int:
+    from sidecar.engines.reference.faults import FAULTS
+
+    width = max(len(n) for n in FAULTS)
+    for name, cls in FAULTS.items():
+        print(f"{name:<{width}}  {cls.description}")
+    return 0
+
+
+def cmd_signals(markdown: bool) -> int:
+    from sidecar import signals
+
+    if markdown:
+        print(signals.markdown_table())
+        return 0
+    for sig in signals.ALL_SIGNALS:
+        labels = ",".join(signals.BASE_LABELS + sig.labels)
+        print(f"{sig.name:<44} {sig.type.value:<9} {{{labels}}}  {sig.help}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sidecar.demo import DemoOptions, format_summary, run_demo
+    from sidecar.engines.reference.faults import FAULTS
+
+    if args.fault not in FAULTS:
+        raise UsageError(f"unknown fault {args.fault!r}; known faults: {', '.join(FAULTS)} "
+                         "(see `kv-sidecar faults`)")
+    opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
+                       sample_every=args.sample_every, seed=args.seed, port=args.port,
+                       hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
+                       otel=args.otel, progress=not args.quiet)
+    summary = run_demo(opts)
+    if args.json:
+        print(json.dumps(summary, indent=1, sort_keys=True))
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command == "faults":
+            return cmd_faults()
+        if args.command == "signals":
+            return cmd_signals(args.markdown)
+        if args.command == "bench":
+            from sidecar.bench import run_bench
+
+            return run_bench(args)
+        parser.print_help()
+        return 2
+    except UsageError as exc:
+        print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Engines kv-sidecar ships for demos, tests and benchmarks."""

@@ -1,0 +1,346 @@
+"""The Monitor: what an engine's hooks call, and the worker that verifies samples.
+
+Hot path (``on_lookup``/``on_store``/``on_free``/``on_request_done``): counters, a sampling
+decision, a dict update — O(1) per event (O(blocks sampled) for a sampled hit), and a
+``try/except`` around everything so no exception ever reaches the engine. A sampled hit is
+snapshotted (block refs, store records as they are *now*) and put on a bounded queue; a full
+queue drops the sample and counts it, it never blocks the engine.
+
+Worker: takes samples off the queue, runs :class:`sidecar.verifier.Verifier`, and turns each
+Verdict into signals, evidence and sampler feedback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from sidecar import signals as S
+from sidecar.checks.keys import StoreRecord, token_digest
+from sidecar.evidence import EvidenceLog
+from sidecar.guard import Guard
+from sidecar.metrics import Metrics, fragmentation_ratio, usage_ratio
+from sidecar.protocol import Adapter, AllocatorState, EngineInfo, Hit, Lookup, StoredBlock
+from sidecar.sampling import Sampler, UniformSampler
+from sidecar.signals import DropReason
+from sidecar.verifier import Sample, TokenBucket, Verdict, Verifier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SidecarConfig:
+    """Knobs with defaults fit for production; the demo lowers ``sample_every``."""
+
+    sample_every: int = 1000
+    blocks_per_sample: int = 2
+    queue_size: int = 64
+    adapter_timeout_s: float = 5.0
+    recompute_tokens_per_s: float = 100_000.0  # recompute budget; <= 0 means unlimited
+    recompute: bool = True
+    store_records: int = 200_000  # bounded memory of stored blocks (LRU)
+    evidence_capacity: int = 100
+    evidence_dir: str | None = None
+    latency_window: int = 10_000  # recent request latencies kept for the P99 summary
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
+                     "latency_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.blocks_per_sample < 1:
+            raise ValueError(f"blocks_per_sample must be >= 1, got {self.blocks_per_sample}")
+        if not self.adapter_timeout_s > 0:
+            raise ValueError(f"adapter_timeout_s must be > 0, got {self.adapter_timeout_s}")
+
+
+class Monitor:
+    """Implements :class:`sidecar.protocol.EventSink`; see the module docstring."""
+
+    def __init__(self, adapter: Adapter, config: SidecarConfig | None = None,
+                 registry: CollectorRegistry | None = None, sampler: Sampler | None = None,
+                 info: EngineInfo | None = None) -> None:
+        self.config = config or SidecarConfig()
+        self.config.validate()
+        self.adapter = adapter
+        self.guard = Guard(self.config.adapter_timeout_s)
+        # describe() is the one call allowed to fail loudly: without it nothing can be checked.
+        self.info = info or self.guard.call("describe", adapter.describe)
+        self.metrics = Metrics(self.info.engine, self.info.model, registry)
+        self.sampler: Sampler = sampler or UniformSampler(self.config.sample_every,
+                                                          self.config.seed)
+        self.verifier = Verifier(adapter, self.info, self.guard,
+                                 TokenBucket(self.config.recompute_tokens_per_s),
+                                 recompute=self.config.recompute)
+        self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
+        self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
+        self._records: OrderedDict[tuple[int, int], StoreRecord] = OrderedDict()
+        self._records_lock = threading.Lock()
+        self._latencies: deque[float] = deque(maxlen=self.config.latency_window)
+        self._worker: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._pending = 0  # samples queued or being verified
+        self._pending_cond = threading.Condition()
+        self._hook_error_logged: set[str] = set()
+        self.requests_done = 0
+        self._init_series()
+        self.first_anomaly_request: int | None = None
+        self.max_recompute_error = 0.0
+
+    def _init_series(self) -> None:
+        """Create every labelled series at 0, so rate() and dashboards see a clean zero
+        instead of a missing series before the first anomaly."""
+        m = self.metrics
+        for g in self.info.groups:
+            m.inc(S.VERIFIED, 0, group=g.label)
+            for kind in S.AnomalyKind:
+                m.inc(S.ANOMALIES, 0, group=g.label, kind=kind.value)
+        for reason in DropReason:
+            m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
+        for op in ("read", "recompute", "allocator"):
+            for why in ("error", "timeout"):
+                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
+
+    # ------------------------------------------------------------------ hot path (engine)
+    def on_lookup(self, lookup: Lookup) -> None:
+        try:
+            m = self.metrics
+            m.inc(S.LOOKUPS)
+            m.inc(S.QUERY_TOKENS, lookup.query_tokens)
+            hit = lookup.hit
+            if lookup.hit_tokens <= 0 or hit is None:
+                return
+            m.inc(S.HITS)
+            m.inc(S.HIT_TOKENS, lookup.hit_tokens)
+            if self.sampler.should_sample(hit):
+                self._enqueue(hit)
+        except Exception as exc:
+            self._hook_failed("on_lookup", exc)
+
+    def on_store(self, block: StoredBlock) -> None:
+        try:
+            key = (block.group_id, block.block_id)
+            with self._records_lock:
+                parent = (self._records.get((block.group_id, block.parent_block_id))
+                          if block.parent_block_id is not None else None)
+                first = block.prefix_tokens == 0
+                chained = first or (parent is not None and parent.chained
+                                    and parent.prefix_tokens + len(block.tokens)
+                                    == block.prefix_tokens)
+                digest = token_digest(None if first or parent is None else parent.digest,
+                                      block.tokens)
+                self._records[key] = StoreRecord(block.generation, digest, chained,
+                                                 block.prefix_tokens, dict(block.key_fields),
+                                                 block.kv_digest)
+                self._records.move_to_end(key)
+                while len(self._records) > self.config.store_records:
+                    self._records.popitem(last=False)
+        except Exception as exc:
+            self._hook_failed("on_store", exc)
+
+    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
+        try:
+            with self._records_lock:
+                for b in block_ids:
+                    self._records.pop((group_id, int(b)), None)
+        except Exception as exc:
+            self._hook_failed("on_free", exc)
+
+    def on_request_done(self, latency_seconds: float) -> None:
+        try:
+            self.requests_done += 1
+            self._latencies.append(latency_seconds)
+            self.metrics.observe(S.REQUEST_LATENCY, latency_seconds)
+        except Exception as exc:
+            self._hook_failed("on_request_done", exc)
+
+    def _enqueue(self, hit: Hit) -> None:
+        refs = tuple(self.sampler.choose(hit, self.info.block_size,
+                                         self.config.blocks_per_sample))
+        if not refs:
+            return
+        with self._records_lock:
+            records = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
+        self.metrics.inc(S.SAMPLED)
+        sample = Sample(hit, refs, records, time.time())
+        with self._pending_cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(sample)
+        except queue.Full:
+            self._done_pending()
+            self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
+
+    def _hook_failed(self, hook: str, exc: Exception) -> None:
+        try:
+            self.metrics.inc(S.HOOK_ERRORS, hook=hook)
+            if hook not in self._hook_error_logged:  # log the first of each, not a flood
+                self._hook_error_logged.add(hook)
+                log.exception("kv-sidecar hook %s failed (counted; engine unaffected): %s",
+                              hook, exc)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ worker
+    def start(self) -> Monitor:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="kvsidecar-verifier",
+                                            daemon=True)
+            self._worker.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            sample = self._queue.get()
+            if sample is None:
+                return
+            try:
+                self.apply(self.verifier.verify(sample))
+            except Exception:
+                log.exception("verification failed unexpectedly (sample dropped)")
+                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.ADAPTER_ERROR.value)
+            finally:
+                self._done_pending()
+
+    def _done_pending(self) -> None:
+        with self._pending_cond:
+            self._pending -= 1
+            self._pending_cond.notify_all()
+
+    def verify(self, hit: Hit) -> Verdict:
+        """Verify one hit now, synchronously (tests, benchmarks, on-demand checks)."""
+        refs = tuple(self.sampler.choose(hit, self.info.block_size,
+                                         self.config.blocks_per_sample))
+        with self._records_lock:
+            records = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
+        verdict = self.verifier.verify(Sample(hit, refs, records, time.time()))
+        self.apply(verdict)
+        return verdict
+
+    def apply(self, verdict: Verdict) -> None:
+        """Turn a verdict into signals, evidence and sampler feedback."""
+        m = self.metrics
+        groups = {g.group_id: g.label for g in self.info.groups}
+        for ref in verdict.verified:
+            m.inc(S.VERIFIED, group=groups.get(ref.group_id, str(ref.group_id)))
+        seen: set[tuple[int, int, str]] = set()
+        for f in verdict.findings:
+            key = (f.group_id, f.block_index, f.kind.value)
+            if key in seen:  # one count per block and kind
+                continue
+            seen.add(key)
+            m.inc(S.ANOMALIES, group=groups.get(f.group_id, str(f.group_id)), kind=f.kind.value)
+        for reason, n in verdict.dropped.items():
+            m.inc(S.SAMPLES_DROPPED, n, reason=reason.value)
+        for op, reason in verdict.adapter_errors:
+            m.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
+        if verdict.verified:
+            m.observe(S.VERIFY_DURATION, verdict.duration_s)
+            m.gauge(S.LAST_VERIFICATION).set(time.time())
+        if verdict.max_error is not None:
+            self.max_recompute_error = max(self.max_recompute_error, verdict.max_error)
+        if verdict.findings:
+            if self.first_anomaly_request is None:
+                self.first_anomaly_request = self.requests_done
+            rec = self.evidence.record(verdict, self.info.engine, self.info.model)
+            log.warning("KV anomaly: %s", "; ".join(
+                f"{f.kind.value} group={f.group_id} block#{f.block_index}: {f.detail}"
+                for f in verdict.findings[:4]) + f" (evidence #{rec['seq']})")
+        try:
+            self.sampler.feedback(verdict.sample.hit, verdict.anomalous)
+        except Exception as exc:
+            self._hook_failed("sampler_feedback", exc)
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued sample is verified; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._pending_cond:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pending_cond.wait(left)
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker; samples still queued are dropped and counted."""
+        if self._worker is None:
+            return
+        while True:
+            try:
+                s = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if s is not None:
+                self._done_pending()
+                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.SHUTDOWN.value)
+        self._queue.put(None)
+        self._worker.join(timeout_s)
+        self._worker = None
+
+    # ------------------------------------------------------------------ allocator
+    def poll_allocator(self) -> AllocatorState | None:
+        """Ask the adapter for allocator state (time-limited) and publish it."""
+        try:
+            state = self.guard.call("allocator", self.adapter.allocator)
+        except Exception as exc:
+            reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+            self.metrics.inc(S.ADAPTER_ERRORS, op="allocator", reason=reason)
+            log.warning("adapter allocator() failed: %s", exc)
+            return None
+        if state is not None:
+            self.metrics.allocator.update(state)
+        return state
+
+    # ------------------------------------------------------------------ summaries
+    def p99_latency(self) -> float | None:
+        lat = sorted(self._latencies)
+        if not lat:
+            return None
+        return lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+
+    def summary(self) -> dict[str, Any]:
+        """The demo's JSON summary (keys are part of the CLI contract)."""
+        m = self.metrics
+        lookups = m.value(S.LOOKUPS.name)
+        hits = m.value(S.HITS.name)
+        q = m.value(S.QUERY_TOKENS.name)
+        ht = m.value(S.HIT_TOKENS.name)
+        verified = m.value_sum(S.VERIFIED.name)
+        anomalies = {k: int(v) for k, v in m.by_label(S.ANOMALIES.name, "kind").items()}
+        state = m.allocator.state
+        return {
+            "engine": self.info.engine,
+            "model": self.info.model,
+            "dtype": self.info.dtype,
+            "requests": self.requests_done,
+            "lookups": int(lookups),
+            "hits": int(hits),
+            "hit_rate": hits / lookups if lookups else 0.0,
+            "token_hit_rate": ht / q if q else 0.0,
+            "sampled": int(m.value(S.SAMPLED.name)),
+            "verified": int(verified),
+            "anomalies": anomalies,
+            "anomaly_rate": sum(anomalies.values()) / verified if verified else 0.0,
+            "dropped": {k: int(v) for k, v in m.by_label(S.SAMPLES_DROPPED.name,
+                                                            "reason").items()},
+            "adapter_errors": int(m.value_sum(S.ADAPTER_ERRORS.name)),
+            "allocations": state.allocations if state else 0,
+            "allocation_failures": state.allocation_failures if state else 0,
+            "usage_ratio": usage_ratio(state) if state else 0.0,
+            "fragmentation_ratio": fragmentation_ratio(state) if state else 0.0,
+            "p99_latency_seconds": self.p99_latency(),
+            "max_recompute_error": self.max_recompute_error,
+            "tolerance": self.verifier.tolerance,
+            "first_content_anomaly_request": self.first_anomaly_request,
+        }

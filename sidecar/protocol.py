@@ -1,0 +1,222 @@
+"""The adapter protocol: the only contract between kv-sidecar and an inference engine.
+
+The core never imports an engine. An engine (or an adapter wrapping it) does two things:
+
+* it *calls* the sidecar with events from its cache manager — ``on_lookup`` with a
+  :class:`Lookup` (and the :class:`Hit` when a prefix was found), ``on_store`` with a
+  :class:`StoredBlock`, ``on_free`` and ``on_request_done`` — through :class:`EventSink`,
+  which :class:`sidecar.monitor.Monitor` implements;
+* it *answers* the sidecar through :class:`Adapter`: what the engine is (:class:`EngineInfo`
+  with its :class:`CacheGroup` list), what KV the cache holds for some blocks of a hit
+  (``read``), what KV a from-scratch computation gives for the same blocks (``recompute``),
+  and the allocator's state (``allocator``).
+
+Cache groups are in the protocol from the start: a plain model has one full-attention group,
+a hybrid model (sliding window + full, recurrent state, offloaded tier...) has several, and a
+hit names its blocks per group. Nothing here depends on torch except the tensor type of
+:class:`BlockKV`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class GroupKind(str, enum.Enum):
+    """What a cache group holds; checks that depend on coverage read this."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    COMPRESSED = "compressed"
+    RECURRENT_STATE = "recurrent_state"
+    SPARSE_INDEX = "sparse_index"
+    OFFLOADED_TIER = "offloaded_tier"
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """A set of layers that share one block table (vLLM's KV-cache group)."""
+
+    group_id: int
+    kind: GroupKind
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        """Bounded label value for metrics: the group's name, or its id."""
+        return self.name or str(self.group_id)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the sidecar needs to know about an engine, from ``Adapter.describe()``.
+
+    ``dtype`` is the dtype the KV is *read back as* (a torch dtype name such as
+    ``"bfloat16"``); ``kv_storage`` names a lossy storage format (``"int8"``, ``"fp8"``)
+    when the cache quantises, so tolerances can widen for it.
+    """
+
+    engine: str
+    model: str
+    revision: str
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    groups: tuple[CacheGroup, ...]
+    key_fields: tuple[str, ...] = ()
+    kv_storage: str | None = None
+
+    def group(self, group_id: int) -> CacheGroup:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise KeyError(f"engine {self.engine!r} has no cache group {group_id}")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One prefix-cache lookup: how many prompt tokens were asked for, how many were found.
+
+    ``hit`` is set when at least one block was found. Cheap to build: it holds references
+    to sequences the engine already has, never copies.
+    """
+
+    query_tokens: int
+    hit_tokens: int
+    hit: Hit | None = None
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A prefix hit as the engine is about to use it.
+
+    * ``tokens``: the request's prompt token ids (at least ``hit_tokens`` of them). The
+      hit covers ``tokens[:hit_tokens]``; recompute needs the tokens, nothing else.
+    * ``blocks``: group id -> physical block ids covering the hit, in order.
+    * ``generations``: group id -> allocation generation of each block *at match time*;
+      a block handed out again gets a new generation, so a mismatch with the generation
+      recorded at store time means the hash map points at a reused block.
+    * ``key_fields``: the request's own values of the fields the engine's key should cover
+      (model revision, adapter, cache salt...). Compared with what was recorded at store.
+    """
+
+    tokens: Sequence[int]
+    hit_tokens: int
+    blocks: Mapping[int, Sequence[int]]
+    generations: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    key_fields: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A full block written and indexed by the engine (an entry was added to the cache).
+
+    ``tokens`` are the tokens of this block only; ``prefix_tokens`` the number of tokens
+    before it (so block ``i`` has ``prefix_tokens == i * block_size``). ``parent_digest``
+    is the sidecar's token digest of the parent block, when the engine knows it; the
+    monitor chains digests itself when it is absent. ``kv_digest`` is an optional write-time
+    fingerprint of the block's KV bytes (see :mod:`sidecar.checks.fingerprint`).
+    """
+
+    group_id: int
+    block_id: int
+    generation: int
+    tokens: Sequence[int]
+    prefix_tokens: int
+    key_fields: Mapping[str, str] = field(default_factory=dict)
+    parent_block_id: int | None = None
+    kv_digest: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block chosen for verification: which group, which position in the hit."""
+
+    group_id: int
+    index: int  # block index within the hit (0 = first block of the prompt)
+    block_id: int
+
+    def token_range(self, block_size: int) -> tuple[int, int]:
+        return self.index * block_size, (self.index + 1) * block_size
+
+
+@dataclass
+class BlockKV:
+    """K and V of one block for the layers of its group.
+
+    ``key`` and ``value`` have shape ``(layers, kv_heads, tokens, head_dim)``; ``generation``
+    is the block's allocation generation observed while it was read (``None`` when the
+    engine has no generation stamps or for recomputed KV).
+    """
+
+    ref: BlockRef
+    key: torch.Tensor
+    value: torch.Tensor
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """A snapshot of the engine's block allocator, from ``Adapter.allocator()``.
+
+    Counters (``allocations``, ``allocation_failures``) are totals since the engine started;
+    the sidecar turns them into rates. ``largest_free_run`` is the longest run of
+    consecutive free block ids (fragmentation matters where contiguity does).
+    """
+
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int  # evictable: unreferenced but still indexed
+    used_blocks: int  # referenced by live sequences
+    largest_free_run: int
+    allocations: int
+    allocation_failures: int
+    allocated_slots: int = 0  # token slots in blocks held by live sequences
+    filled_slots: int = 0  # of those, slots holding a token
+
+
+class AdapterError(RuntimeError):
+    """Raised (or wrapped) when an adapter cannot answer; counted, never fatal."""
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What an engine offers the sidecar. Every call is made off the engine's hot path,
+    from the verifier's worker, under a time limit (see :mod:`sidecar.guard`)."""
+
+    def describe(self) -> EngineInfo:
+        """Engine identity, dtype, block size and cache groups."""
+        ...
+
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """The KV the cache holds now for ``refs``, with the generation seen while reading."""
+        ...
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """Reference KV for ``refs``, computed from scratch for ``hit.tokens`` with the hit's
+        own key fields (adapter, salt...): never through the cache being checked."""
+        ...
+
+    def allocator(self) -> AllocatorState | None:
+        """The allocator's state, or ``None`` where the engine does not expose one."""
+        ...
+
+
+class EventSink(Protocol):
+    """What engines call. Implementations must be O(1) and must never raise."""
+
+    def on_lookup(self, lookup: Lookup) -> None: ...
+
+    def on_store(self, block: StoredBlock) -> None: ...
+
+    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None: ...
+
+    def on_request_done(self, latency_seconds: float) -> None: ...

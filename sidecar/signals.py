@@ -1,0 +1,223 @@
+"""The single source of truth for kv-sidecar's signal names, labels, kinds and thresholds.
+
+Everything that names a signal imports it from here: the exporter (:mod:`sidecar.metrics`),
+the dashboards (``dashboards/*.dashboard.py``), the alert-rule generator (``alerts/``), the
+README's signals table (``kv-sidecar signals --markdown``) and the tests. Renaming a metric
+is a one-line change in this file.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+NAMESPACE = "kvsidecar"
+
+# Labels every series carries; all of them have bounded values (one per engine/model).
+BASE_LABELS: tuple[str, ...] = ("engine", "model")
+
+
+class MetricType(str, enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+    INFO = "info"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One exported series family. ``name`` is the exposition name (``_total`` included
+    for counters); ``labels`` are the labels beyond :data:`BASE_LABELS`."""
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus-client wants (it appends ``_total`` to counters itself)."""
+        if self.type is MetricType.COUNTER and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        return self.name
+
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+VERIFY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+def _s(name: str, type_: MetricType, help_: str, labels: tuple[str, ...] = (),
+       unit: str = "", buckets: tuple[float, ...] = ()) -> Signal:
+    return Signal(f"{NAMESPACE}_{name}", type_, help_, labels, unit, buckets)
+
+
+C, G, H = MetricType.COUNTER, MetricType.GAUGE, MetricType.HISTOGRAM
+
+LOOKUPS = _s("lookups_total", C, "Prefix-cache lookups seen.")
+HITS = _s("hits_total", C, "Lookups that found at least one cached block.")
+QUERY_TOKENS = _s("query_tokens_total", C, "Prompt tokens looked up in the prefix cache.")
+HIT_TOKENS = _s("hit_tokens_total", C, "Prompt tokens served from the prefix cache.")
+SAMPLED = _s("sampled_total", C, "Hits chosen for verification by the sampling policy.")
+VERIFIED = _s("verified_total", C,
+              "Sampled blocks whose verification completed (per cache group).", ("group",))
+ANOMALIES = _s("anomalies_total", C,
+               "Verified blocks whose content, key or generation was wrong, by kind.",
+               ("group", "kind"))
+SAMPLES_DROPPED = _s("samples_dropped_total", C,
+                     "Samples not verified, by reason (queue_full, budget, adapter_error, ...).",
+                     ("reason",))
+ADAPTER_ERRORS = _s("adapter_errors_total", C,
+                    "Adapter calls that raised or ran past their time limit.", ("op", "reason"))
+HOOK_ERRORS = _s("hook_errors_total", C,
+                 "Exceptions caught inside engine hooks (never propagated to the engine).",
+                 ("hook",))
+ALLOCATIONS = _s("allocations_total", C, "Block allocation attempts reported by the engine.")
+ALLOCATION_FAILURES = _s("allocation_failures_total", C,
+                         "Block allocations that failed (pool exhausted or no usable run).")
+USAGE_RATIO = _s("usage_ratio", G,
+                 "Blocks referenced by live sequences / total blocks.", unit="ratio")
+FRAGMENTATION_RATIO = _s("fragmentation_ratio", G,
+                         "1 - largest free run / free blocks (0 when nothing is free).",
+                         unit="ratio")
+INTERNAL_FRAGMENTATION_RATIO = _s(
+    "internal_fragmentation_ratio", G,
+    "Unused token slots in blocks held by live sequences / allocated slots.", unit="ratio")
+BLOCKS = _s("blocks", G, "Blocks of the pool by state (free, cached, used, total).", ("state",))
+REQUEST_LATENCY = _s("request_latency_seconds", H, "End-to-end request latency in the engine.",
+                     unit="seconds", buckets=LATENCY_BUCKETS)
+VERIFY_DURATION = _s("verify_duration_seconds", H,
+                     "Time to verify one sampled hit (read, checks, recompute).",
+                     unit="seconds", buckets=VERIFY_BUCKETS)
+LAST_VERIFICATION = _s("last_verification_timestamp_seconds", G,
+                       "Unix time of the last completed verification (silence is not health).",
+                       unit="seconds")
+BUILD_INFO = _s("build_info", G, "Always 1; labels carry the sidecar version and engine.",
+                ("version",))
+INVARIANT_VIOLATIONS = _s("invariant_violations_total", C,
+                          "Allocator invariants found broken (a free block still indexed, "
+                          "a ref count below its holders, ...), by kind.", ("kind",))
+LEAK_SUSPECTED = _s("leak_suspected_blocks", G,
+                    "Blocks the allocator counts as held that no live sequence holds.")
+
+ALL_SIGNALS: tuple[Signal, ...] = (
+    LOOKUPS, HITS, QUERY_TOKENS, HIT_TOKENS, SAMPLED, VERIFIED, ANOMALIES, SAMPLES_DROPPED,
+    ADAPTER_ERRORS, HOOK_ERRORS, ALLOCATIONS, ALLOCATION_FAILURES, USAGE_RATIO,
+    FRAGMENTATION_RATIO, INTERNAL_FRAGMENTATION_RATIO, BLOCKS, REQUEST_LATENCY,
+    VERIFY_DURATION, LAST_VERIFICATION, BUILD_INFO, INVARIANT_VIOLATIONS, LEAK_SUSPECTED,
+)
+
+# --- vLLM adapter (sidecar/adapters/vllm): KV event-stream audit and engine-metrics bridge.
+# Owned by the vLLM adapter; appended to ALL_SIGNALS so Metrics, dashboards and docs see them.
+# Every label value is bounded: group (a few cache groups), medium (GPU/CPU/STORAGE),
+# type and reason (fixed sets named in the help text).
+KV_EVENTS = _s("kv_events_total", C,
+               "Blocks announced by the engine's KV event stream, by type "
+               "(stored, removed, cleared).", ("type",))
+KV_EVENT_DECODE_ERRORS = _s("kv_event_decode_errors_total", C,
+                            "Event-stream messages skipped as malformed, by reason "
+                            "(frames, payload, schema).", ("reason",))
+KV_EVENT_GAPS = _s("kv_event_gaps_total", C,
+                   "Sequence-number gaps seen on the KV event stream (dropped batches).")
+KV_EVENT_BATCHES_LOST = _s("kv_event_batches_lost_total", C,
+                           "Event batches missing after a gap that replay could not recover.")
+KV_EVENT_BATCHES_REPLAYED = _s("kv_event_batches_replayed_total", C,
+                               "Event batches recovered through the engine's replay socket.")
+KV_EVENT_HASHES_VERIFIED = _s("kv_event_hashes_verified_total", C,
+                              "Stored blocks whose hash was recomputed from tokens, parent "
+                              "and extra keys and matched the engine's.", ("group",))
+KV_EVENT_HASH_MISMATCHES = _s("kv_event_hash_mismatches_total", C,
+                              "Stored blocks whose recomputed hash differs from the engine's: "
+                              "the key misses a field it should cover, or a collision.",
+                              ("group",))
+KV_EVENT_HASH_UNVERIFIABLE = _s("kv_event_hash_unverifiable_total", C,
+                                "Stored blocks whose hash could not be recomputed, by reason "
+                                "(parent_unknown, lora_path_unknown, random_seed, "
+                                "unknown_extra_key).", ("reason",))
+KV_EVENT_DUPLICATE_STORES = _s("kv_event_duplicate_stores_total", C,
+                               "Blocks announced as stored while already indexed (same hash, "
+                               "group and medium).", ("group",))
+KV_EVENT_UNKNOWN_REMOVALS = _s("kv_event_unknown_removals_total", C,
+                               "Blocks announced as removed that were never stored (or "
+                               "already removed).", ("group",))
+KV_INDEXED_BLOCKS = _s("kv_indexed_blocks", G,
+                       "Blocks announced as stored and not yet removed, by group and medium.",
+                       ("group", "medium"))
+CAPACITY_WAITING = _s("capacity_waiting_requests", G,
+                      "Requests waiting for KV-cache capacity (vLLM: "
+                      "num_requests_waiting_by_reason{reason=\"capacity\"}).")
+ENGINE_SCRAPE_ERRORS = _s("engine_scrape_errors_total", C,
+                          "Failed reads of the engine's own metrics endpoint.")
+
+VLLM_SIGNALS: tuple[Signal, ...] = (
+    KV_EVENTS, KV_EVENT_DECODE_ERRORS, KV_EVENT_GAPS, KV_EVENT_BATCHES_LOST,
+    KV_EVENT_BATCHES_REPLAYED, KV_EVENT_HASHES_VERIFIED, KV_EVENT_HASH_MISMATCHES,
+    KV_EVENT_HASH_UNVERIFIABLE, KV_EVENT_DUPLICATE_STORES, KV_EVENT_UNKNOWN_REMOVALS,
+    KV_INDEXED_BLOCKS, CAPACITY_WAITING, ENGINE_SCRAPE_ERRORS,
+)
+ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
+# --- end of the vLLM adapter's block.
+
+
+class AnomalyKind(str, enum.Enum):
+    """The value of the ``kind`` label of :data:`ANOMALIES`: which check failed."""
+
+    STRUCTURE = "structure"  # shape, dtype, stride or alignment differs from describe()
+    ZEROS = "zeros"  # (near) all-zero block
+    NONFINITE = "nonfinite"  # NaN or Inf present
+    DEGENERATE = "degenerate"  # no spread: every element (per head) identical
+    STALE_GENERATION = "stale_generation"  # block reallocated since it was stored
+    TOKEN_MISMATCH = "token_mismatch"  # hit tokens differ from the tokens stored there
+    KEY_FIELDS_MISMATCH = "key_fields_mismatch"  # key fields at hit differ from store
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # KV bytes changed since the write
+    RECOMPUTE_MISMATCH = "recompute_mismatch"  # cached KV differs from recompute
+
+
+class DropReason(str, enum.Enum):
+    """The value of the ``reason`` label of :data:`SAMPLES_DROPPED`."""
+
+    QUEUE_FULL = "queue_full"
+    BUDGET = "budget"  # recompute budget exhausted
+    ADAPTER_ERROR = "adapter_error"
+    ADAPTER_TIMEOUT = "adapter_timeout"
+    EVICTED_BEFORE_READ = "evicted_before_read"  # block legitimately reused before we read
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Alerting thresholds (seed 001 §5.4), used by the alert rules, the dashboards'
+    threshold lines, the demo summary and the docs."""
+
+    usage_ratio: float = 0.85
+    allocation_failure_rate: float = 0.001
+    fragmentation_ratio: float = 0.30
+    hit_rate_low: float = 0.80
+    p99_latency_baseline_factor: float = 2.0
+    anomaly_rate: float = 0.0  # any content anomaly is a page
+    samples_dropped_ratio: float = 0.10  # dropped / sampled hits, per drop reason
+    # Silence is not health: no verification for this long while at least this many hits
+    # were served (keep it >= 5 x sample_every, or a quiet 1-in-N sampler looks stalled).
+    verification_stale_seconds: float = 600.0
+    verification_stall_min_hits: float = 5000.0
+
+
+THRESHOLDS = Thresholds()
+
+
+def by_name(name: str) -> Signal:
+    """Look a signal up by its exposition name; a clear error for an unknown one."""
+    for s in ALL_SIGNALS:
+        if s.name == name:
+            return s
+    raise KeyError(f"unknown signal {name!r}; known: {', '.join(s.name for s in ALL_SIGNALS)}")
+
+
+def markdown_table() -> str:
+    """The README's signals table, generated so the docs cannot drift from the code."""
+    rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
+    for s in ALL_SIGNALS:
+        labels = ", ".join(BASE_LABELS + s.labels)
+        rows.append(f"| `{s.name}` | {s.type.value} | {labels} | {s.help} |")
+    return "\n".join(rows)

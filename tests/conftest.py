@@ -1,0 +1,22 @@
+import pytest
+import torch
+
+from sidecar.monitor import Monitor, SidecarConfig
+from tests.toy import ToyAdapter, ToyEngine
+
+
+def make_toy(dtype: torch.dtype = torch.float32, **config) -> tuple[ToyEngine, ToyAdapter,
+                                                                      Monitor]:
+    engine = ToyEngine(sink=None, dtype=dtype)
+    adapter = ToyAdapter(engine)
+    cfg = SidecarConfig(**{"sample_every": 1, "adapter_timeout_s": 2.0, **config})
+    monitor = Monitor(adapter, cfg)
+    engine.sink = monitor
+    return engine, adapter, monitor
+
+
+@pytest.fixture
+def toy():
+    engine, adapter, monitor = make_toy()
+    yield engine, adapter, monitor
+    monitor.stop()

@@ -1,0 +1,38 @@
+"""The HTTP endpoints a scraper and an operator use."""
+
+import json
+import urllib.request
+
+from sidecar import signals as S
+from sidecar.server import SidecarServer
+from tests.conftest import make_toy
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, r.read().decode()
+
+
+def test_metrics_healthz_status_on_loopback():
+    engine, _, mon = make_toy()
+    engine.serve(list(range(8)))
+    mon.poll_allocator()
+    srv = SidecarServer(mon.metrics.registry, mon.summary, port=0).start()
+    try:
+        assert srv.url.startswith("http://127.0.0.1:")
+        code, body = get(srv.url + "/metrics")
+        assert code == 200
+        for sig in S.ALL_SIGNALS:
+            assert f"# HELP {sig.name} " in body, sig.name
+        assert 'kvsidecar_lookups_total{engine="toy",model="toy-model"} 1.0' in body
+        assert get(srv.url + "/healthz") == (200, "ok\n")
+        code, body = get(srv.url + "/status")
+        assert json.loads(body)["lookups"] == 1
+        try:
+            urllib.request.urlopen(srv.url + "/nope", timeout=5)
+        except urllib.error.HTTPError as e:
+            assert e.code == 404
+        else:
+            raise AssertionError("expected 404")
+    finally:
+        srv.stop()
