@@ -83,11 +83,13 @@ class AllocatorCollector(Collector):
             c = CounterMetricFamily(sig.base_name, sig.help, labels=names)
             c.add_metric(values, float(value))
             out.append(c)
-        for sig, value in ((S.USAGE_RATIO, usage_ratio(st)),
-                           (S.FRAGMENTATION_RATIO, fragmentation_ratio(st)),
-                           (S.INTERNAL_FRAGMENTATION_RATIO, internal_fragmentation_ratio(st))):
+        ratios: tuple[tuple[Signal, float], ...] = (
+            (S.USAGE_RATIO, usage_ratio(st)),
+            (S.FRAGMENTATION_RATIO, fragmentation_ratio(st)),
+            (S.INTERNAL_FRAGMENTATION_RATIO, internal_fragmentation_ratio(st)))
+        for sig, ratio in ratios:
             g = GaugeMetricFamily(sig.name, sig.help, labels=names)
-            g.add_metric(values, value)
+            g.add_metric(values, ratio)
             out.append(g)
         blocks = GaugeMetricFamily(S.BLOCKS.name, S.BLOCKS.help, labels=[*names, "state"])
         for state_name, value in (("total", st.total_blocks), ("free", st.free_blocks),

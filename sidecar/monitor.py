@@ -242,8 +242,8 @@ class Monitor:
             m.inc(S.ANOMALIES, group=groups.get(f.group_id, str(f.group_id)), kind=f.kind.value)
         for reason, n in verdict.dropped.items():
             m.inc(S.SAMPLES_DROPPED, n, reason=reason.value)
-        for op, reason in verdict.adapter_errors:
-            m.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
+        for op, why in verdict.adapter_errors:
+            m.inc(S.ADAPTER_ERRORS, op=op, reason=why)
         if verdict.verified:
             m.observe(S.VERIFY_DURATION, verdict.duration_s)
             m.gauge(S.LAST_VERIFICATION).set(time.time())

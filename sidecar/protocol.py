@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
-class GroupKind(str, enum.Enum):
+class GroupKind(enum.StrEnum):
     """What a cache group holds; checks that depend on coverage read this."""
 
     FULL_ATTENTION = "full_attention"

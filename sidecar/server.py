@@ -35,6 +35,8 @@ class SidecarServer:
     @property
     def url(self) -> str:
         host = self.httpd.server_address[0]
+        if isinstance(host, bytes):
+            host = host.decode()
         return f"http://{host}:{self.port}"
 
     def start(self) -> SidecarServer:
@@ -51,7 +53,7 @@ class SidecarServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 try:
                     if path == "/metrics":
@@ -76,6 +78,6 @@ class SidecarServer:
                 self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
-                log.debug("http: " + format, *args)
+                log.debug("http: %s", format % args)
 
         return Handler

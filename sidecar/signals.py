@@ -17,7 +17,7 @@ NAMESPACE = "kvsidecar"
 BASE_LABELS: tuple[str, ...] = ("engine", "model")
 
 
-class MetricType(str, enum.Enum):
+class MetricType(enum.StrEnum):
     COUNTER = "counter"
     GAUGE = "gauge"
     HISTOGRAM = "histogram"
@@ -160,7 +160,7 @@ ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
 # --- end of the vLLM adapter's block.
 
 
-class AnomalyKind(str, enum.Enum):
+class AnomalyKind(enum.StrEnum):
     """The value of the ``kind`` label of :data:`ANOMALIES`: which check failed."""
 
     STRUCTURE = "structure"  # shape, dtype, stride or alignment differs from describe()
@@ -174,7 +174,7 @@ class AnomalyKind(str, enum.Enum):
     RECOMPUTE_MISMATCH = "recompute_mismatch"  # cached KV differs from recompute
 
 
-class DropReason(str, enum.Enum):
+class DropReason(enum.StrEnum):
     """The value of the ``reason`` label of :data:`SAMPLES_DROPPED`."""
 
     QUEUE_FULL = "queue_full"

@@ -146,7 +146,7 @@ def test_reused_block_generation_is_flagged(toy):
 
 
 def test_block_reused_after_match_is_dropped_not_flagged(toy):
-    engine, adapter, mon = toy
+    engine, _, mon = toy
     engine.serve(PROMPT)
     hit = engine.serve(PROMPT + [5])
     for b in hit.blocks[0]:  # legitimately evicted and reallocated before the sidecar read

@@ -20,7 +20,7 @@ from sidecar.signals import AnomalyKind
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's raw bytes, without converting values (bf16 has no numpy dtype)."""
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def kv_digest(key: torch.Tensor, value: torch.Tensor) -> str:

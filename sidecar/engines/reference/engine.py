@@ -1,0 +1,391 @@
+"""The reference paged prefix-caching engine: a small, real cache manager the sidecar watches.
+
+One request goes through the steps a production engine's cache manager takes:
+
+1. **lookup**: the prompt's full blocks are hashed (chained, with the key fields) and the
+   longest run found in the index is the hit. The last prompt token is never covered, so the
+   prefill always has at least one token to run and the first output has logits (as vLLM).
+2. **allocate**: the hit blocks are referenced and fresh blocks reserved for the rest of the
+   prompt and every generated token (no preemption: a running sequence never fails
+   mid-decode). When the pool cannot satisfy it, the request waits while other sequences
+   run and is rejected (counted) when nothing running could free space.
+3. **prefill**: the hit's KV is gathered *from the pool* as the attention past and only the
+   remaining prompt tokens run, so what the cache holds is what the model decodes over.
+4. **decode**: greedy, one token per step, each step attending over KV gathered from the
+   pool; every block that becomes full (prompt or generated tokens) is hashed, indexed and
+   reported.
+5. **release**: references dropped; full indexed blocks become evictable (LRU), partial ones
+   free.
+
+Observability is an optional collaborator (an :class:`~sidecar.protocol.EventSink`); no
+exception from it ever reaches the engine. Faults (:mod:`.faults`) hook the same steps.
+Cache groups: one full-attention group (id 0) today, but block tables, events and hits are
+keyed by group id so hybrid groups slot in without a redesign.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sidecar.engines.reference.faults import Fault, make_fault
+from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
+from sidecar.engines.reference.pool import BlockHash, BlockPool, KeyFields, chain_hash
+from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock
+
+GROUP_ID = 0
+KEY_FIELD_NAMES: tuple[str, ...] = ("model_revision", "adapter", "cache_salt")
+
+DigestFn = Callable[[torch.Tensor, torch.Tensor], str]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes the engine. ``kv_digest`` reports a write-time fingerprint of
+    each stored block (costs a hash of the block's bytes per store)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    block_size: int = 16
+    num_blocks: int = 128
+    max_running: int = 4
+    kv_digest: bool = False
+    fault: str = "none"
+    fault_seed: int = 0
+    fault_start_after: int | None = None  # None: the fault's own default
+    fault_probability: float | None = None  # None: the fault's own default
+    fault_params: dict[str, Any] = field(default_factory=dict)  # fault-specific knobs
+    # Intra-op threads for torch (process-wide). The model's matmuls are tiny: extra threads
+    # buy nothing and, when the cores are shared (the sidecar's recompute, other processes),
+    # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
+    torch_threads: int | None = 1
+
+
+@dataclass
+class Request:
+    """A prompt and its context. ``key_fields`` holds the request's ``adapter`` and
+    ``cache_salt`` (missing = ""); the engine adds its own ``model_revision``."""
+
+    tokens: list[int]
+    key_fields: dict[str, str] = field(default_factory=dict)
+    max_new_tokens: int = 8
+    tag: str = ""  # free-form label (the workload puts conversation/turn here)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the engine did for one request."""
+
+    request_index: int
+    request: Request
+    output_tokens: tuple[int, ...]
+    prompt_tokens: int
+    hit_tokens: int
+    latency_s: float
+    rejected: bool = False
+
+
+@dataclass
+class RunningSequence:
+    """A live request: its block table per cache group and how far its KV is written."""
+
+    seq_id: int  # the request's index in submission order; also its pool holder id
+    request: Request
+    key_fields: KeyFields
+    tokens: list[int]  # prompt + generated so far
+    block_table: dict[int, list[int]]
+    block_hashes: list[BlockHash]
+    submitted: float
+    hit_tokens: int = 0
+    num_computed: int = 0  # positions whose KV is in the blocks
+    num_cached_blocks: int = 0  # leading full blocks already indexed (hit or stored)
+    output: list[int] = field(default_factory=list)
+    skip_write: set[int] = field(default_factory=set)  # blocks a fault keeps unwritten
+
+    @property
+    def adapter(self) -> str:
+        return dict(self.key_fields).get("adapter", "")
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.block_table[GROUP_ID]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.tokens)
+
+
+class ReferenceEngine:
+    """Paged prefix-caching engine over :class:`TinyLlama` with optional fault injection.
+
+    ``lock`` serialises pool mutation and KV copies between the engine thread and readers
+    (the sidecar adapter); it is held for bookkeeping and copies only, never for a forward.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, sink: EventSink | None = None,
+                 fault: Fault | None = None, digest: DigestFn | None = None) -> None:
+        self.config = config or EngineConfig()
+        c = self.config
+        self.sink = sink
+        if c.torch_threads is not None:
+            torch.set_num_threads(c.torch_threads)
+        self.model = TinyLlama(c.model)
+        self.block_size = c.block_size
+        self.pool = BlockPool(c.num_blocks, c.block_size, c.model.num_layers,
+                              c.model.num_kv_heads, c.model.head_dim, c.model.torch_dtype)
+        self.fault = fault or make_fault(c.fault, seed=c.fault_seed,
+                                         start_after=c.fault_start_after,
+                                         probability=c.fault_probability, **c.fault_params)
+        if digest is None and c.kv_digest:
+            from sidecar.checks.fingerprint import kv_digest
+            digest = kv_digest
+        self._digest = digest
+        self.lock = threading.RLock()
+        self._waiting: deque[tuple[int, Request, float]] = deque()
+        self._running: list[RunningSequence] = []
+        self._next_index = 0
+        self._head_blocked = False  # the waiting head failed; retry after a release
+        self.sink_errors: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ public API
+    def key_fields(self, request: Request) -> KeyFields:
+        """The full key-field tuple the cache must distinguish for ``request``."""
+        fields = {"model_revision": self.config.model.revision, **request.key_fields}
+        return tuple((name, str(fields.get(name, ""))) for name in KEY_FIELD_NAMES)
+
+    def submit(self, request: Request) -> int:
+        """Queue a request; its index (submission order) identifies its :class:`Result`."""
+        index = self._next_index
+        self._next_index += 1
+        self._waiting.append((index, request, time.perf_counter()))
+        self.stats["submitted"] += 1
+        return index
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    @property
+    def live_sequences(self) -> tuple[int, ...]:
+        """Holder ids of the live sequences (for the pool's leak invariant)."""
+        return tuple(s.seq_id for s in self._running)
+
+    def slot_usage(self) -> tuple[int, int]:
+        """(token slots in blocks held by live sequences, slots holding KV): what internal
+        fragmentation is made of. Admission reserves a request's whole span, so the gap
+        includes the slots its remaining decode steps will fill."""
+        with self.lock:
+            allocated = sum(len(s.blocks) for s in self._running) * self.block_size
+            filled = sum(s.num_computed for s in self._running)
+        return allocated, filled
+
+    def step(self) -> list[Result]:
+        """One scheduler iteration: a decode step for every running sequence, then admit
+        (and prefill) waiting requests up to ``max_running``. Returns finished requests."""
+        done: list[Result] = []
+        for seq in list(self._running):
+            if len(seq.output) < seq.request.max_new_tokens:
+                self._decode(seq)
+            if len(seq.output) >= seq.request.max_new_tokens:
+                done.append(self._finish(seq))
+        while self._waiting and len(self._running) < self.config.max_running:
+            if self._head_blocked:
+                break
+            index, request, submitted = self._waiting[0]
+            if not self._admissible(request):
+                self._waiting.popleft()
+                done.append(self._reject(index, request, submitted))
+                continue
+            admitted = self._admit(index, request, submitted)
+            if admitted is None:
+                if self._running:
+                    self._head_blocked = True  # wait for a release to make room
+                    break
+                self._waiting.popleft()
+                done.append(self._reject(index, request, submitted))
+                continue
+            self._waiting.popleft()
+            self._prefill(admitted)
+            if len(admitted.output) >= request.max_new_tokens:
+                done.append(self._finish(admitted))
+        return done
+
+    def run(self, requests: Iterable[Request]) -> list[Result]:
+        """Serve ``requests`` (up to ``max_running`` at once); results in request order."""
+        for r in requests:
+            self.submit(r)
+        results: list[Result] = []
+        while not self.idle:
+            results.extend(self.step())
+        return sorted(results, key=lambda r: r.request_index)
+
+    def serve(self, request: Request) -> Result:
+        """Serve one request to completion on an idle engine."""
+        if not self.idle:
+            raise RuntimeError("serve() needs an idle engine; use submit()/step() or run()")
+        return self.run([request])[0]
+
+    # ------------------------------------------------------------------ hashing
+    def block_hash(self, seq_id: int, parent: BlockHash | None, tokens: Sequence[int],
+                   key_fields: KeyFields) -> BlockHash:
+        custom = self.fault.block_hash(seq_id, parent, tokens, key_fields)
+        return custom if custom is not None else chain_hash(parent, tokens, key_fields)
+
+    def _chain(self, seq_id: int, tokens: Sequence[int], key_fields: KeyFields,
+               num_blocks: int, hashes: list[BlockHash]) -> None:
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(self.block_hash(seq_id, parent, tokens[i * bs:(i + 1) * bs],
+                                          key_fields))
+
+    # ------------------------------------------------------------------ request lifecycle
+    def _span(self, request: Request) -> tuple[int, int]:
+        """Positions whose KV the request writes (the last output token is never fed
+        back), and the blocks that takes."""
+        tokens = len(request.tokens) + request.max_new_tokens - 1
+        return tokens, -(-tokens // self.block_size)
+
+    def _admissible(self, request: Request) -> bool:
+        """Whether the request could ever run (an empty pool would fit it)."""
+        tokens, blocks = self._span(request)
+        return (bool(request.tokens) and request.max_new_tokens >= 1
+                and blocks <= self.pool.num_blocks
+                and tokens <= self.config.model.max_positions)
+
+    def _admit(self, index: int, request: Request,
+               submitted: float) -> RunningSequence | None:
+        """Lookup and allocation; ``None`` when the pool cannot hold the request now."""
+        bs = self.block_size
+        prompt = list(request.tokens)
+        _, needed = self._span(request)
+        key_fields = self.key_fields(request)
+        hashes: list[BlockHash] = []
+        self._chain(index, prompt, key_fields, (len(prompt) - 1) // bs, hashes)
+        with self.lock:
+            hit_ids = self.pool.lookup(hashes)
+            self.fault.before_allocate(self, index)
+            alloc = self.pool.allocate(needed - len(hit_ids), holder=index, reserve=hit_ids)
+            if alloc.ok:
+                generations = [self.pool.blocks[b].generation for b in hit_ids]
+                seq = RunningSequence(index, request, key_fields, prompt,
+                                      {GROUP_ID: [*hit_ids, *alloc.block_ids]},
+                                      hashes[:len(hit_ids)], submitted,
+                                      hit_tokens=len(hit_ids) * bs,
+                                      num_cached_blocks=len(hit_ids))
+                self._running.append(seq)
+                self.fault.on_hit(self, seq, hit_ids)
+                self.fault.on_allocate(self, seq, alloc.block_ids)
+        if alloc.evicted:
+            self._emit("on_free", GROUP_ID, alloc.evicted)
+        if not alloc.ok:
+            return None
+        self.stats["admitted"] += 1
+        self.stats["query_tokens"] += len(prompt)
+        self.stats["hit_tokens"] += seq.hit_tokens
+        hit = None
+        if hit_ids:
+            hit = Hit(tokens=tuple(prompt), hit_tokens=seq.hit_tokens,
+                      blocks={GROUP_ID: tuple(hit_ids)},
+                      generations={GROUP_ID: tuple(generations)},
+                      key_fields=dict(key_fields))
+        self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit))
+        return seq
+
+    def _prefill(self, seq: RunningSequence) -> None:
+        past = self._gather(seq, seq.hit_tokens) if seq.hit_tokens else None
+        out = self.model.forward(seq.tokens[seq.hit_tokens:], seq.adapter, past)
+        self._write(seq, seq.hit_tokens, out.kv)
+        seq.num_computed = seq.prompt_len
+        self._store_full_blocks(seq)
+        self._append_token(seq, out.next_token)
+
+    def _decode(self, seq: RunningSequence) -> None:
+        past = self._gather(seq, seq.num_computed)
+        out = self.model.forward([seq.output[-1]], seq.adapter, past)
+        self._write(seq, seq.num_computed, out.kv)
+        seq.num_computed += 1
+        self._store_full_blocks(seq)
+        self._append_token(seq, out.next_token)
+
+    @staticmethod
+    def _append_token(seq: RunningSequence, token: int) -> None:
+        seq.output.append(token)
+        seq.tokens.append(token)
+
+    def _finish(self, seq: RunningSequence) -> Result:
+        with self.lock:
+            left_index = self.fault.release(self, seq)
+            if left_index is None:
+                self.pool.release(seq.blocks, seq.seq_id)
+                left_index = []
+            self._running.remove(seq)
+            self._head_blocked = False
+        if left_index:
+            self._emit("on_free", GROUP_ID, tuple(left_index))
+        latency = time.perf_counter() - seq.submitted
+        self.stats["finished"] += 1
+        self._emit("on_request_done", latency)
+        return Result(seq.seq_id, seq.request, tuple(seq.output), seq.prompt_len,
+                      seq.hit_tokens, latency)
+
+    def _reject(self, index: int, request: Request, submitted: float) -> Result:
+        self.stats["rejected"] += 1
+        return Result(index, request, (), len(request.tokens), 0,
+                      time.perf_counter() - submitted, rejected=True)
+
+    # ------------------------------------------------------------------ KV movement
+    def _gather(self, seq: RunningSequence, num_tokens: int) -> SequenceKV:
+        with self.lock:
+            keys, values = self.pool.gather(seq.blocks, num_tokens)
+        return SequenceKV(keys, values)
+
+    def _write(self, seq: RunningSequence, start: int, kv: SequenceKV) -> None:
+        with self.lock:
+            self.pool.write(seq.blocks, start, kv.keys, kv.values,
+                            skip=frozenset(seq.skip_write))
+
+    def _store_full_blocks(self, seq: RunningSequence) -> None:
+        """Hash, index and report every block that became full since the last call."""
+        bs = self.block_size
+        full = seq.num_computed // bs
+        if full <= seq.num_cached_blocks:
+            return
+        self._chain(seq.seq_id, seq.tokens, seq.key_fields, full, seq.block_hashes)
+        key_dict = dict(seq.key_fields)
+        for i in range(seq.num_cached_blocks, full):
+            b = seq.blocks[i]
+            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            with self.lock:
+                if not self.pool.cache(b, seq.block_hashes[i], tokens, seq.key_fields, i * bs):
+                    continue  # same hash already indexed: this copy stays private
+                generation = self.pool.blocks[b].generation
+                digest = self._digest(*self.pool.read_block(b)) if self._digest else None
+            self._emit("on_store", StoredBlock(
+                group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
+                prefix_tokens=i * bs, key_fields=key_dict,
+                parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest))
+            with self.lock:
+                self.fault.on_block_stored(self, seq, b)
+        seq.num_cached_blocks = full
+
+    # ------------------------------------------------------------------ observability
+    def _emit(self, hook: str, *args: Any) -> None:
+        """Call the sink; whatever it raises is counted and swallowed."""
+        if self.sink is None:
+            return
+        try:
+            getattr(self.sink, hook)(*args)
+        except Exception:
+            self.sink_errors[hook] += 1
+
+    def hit_rate(self) -> float:
+        """Token hit rate so far: hit tokens / prompt tokens looked up."""
+        q = self.stats["query_tokens"]
+        return self.stats["hit_tokens"] / q if q else 0.0

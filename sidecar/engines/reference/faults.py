@@ -1,0 +1,329 @@
+"""Fault injection: real cache-manager bugs, reproduced on demand, by name, under a seed.
+
+Each fault is one small class that overrides one or two engine hooks; the engine calls every
+hook on every request and a clean :class:`Fault` does nothing. Hooks run in the engine
+thread, with the engine's lock held where they touch the pool. A fault stays dormant until
+request index ``start_after`` (so dashboards show a clean start), draws every random choice
+from its own seeded RNG (so a run is reproducible), and records each injection as ground
+truth for the detection benchmark. See ``/FAULTS.md`` for the catalogue and who should
+catch each one.
+
+Adding a fault: subclass :class:`Fault`, set ``name`` and ``description``, override hooks,
+and add it to :data:`FAULTS`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from sidecar.engines.reference.model import derive_seed
+from sidecar.engines.reference.pool import BlockHash, KeyFields, chain_hash
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from sidecar.engines.reference.engine import ReferenceEngine, RunningSequence
+
+MAX_INJECTIONS = 10_000  # ground-truth records kept (bounded memory on long runs)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """One place a fault acted: which request, which block, what it did."""
+
+    request_index: int
+    block_id: int | None
+    detail: str
+
+
+class Fault:
+    """No fault: the clean engine. Base class of every fault; each hook is a no-op.
+
+    ``corrupts_kv``: the fault changes KV the model decodes over (the others break the
+    allocator's accounting instead).
+    """
+
+    name: ClassVar[str] = "none"
+    description: ClassVar[str] = "no fault: the clean engine"
+    corrupts_kv: ClassVar[bool] = False
+    default_probability: ClassVar[float] = 1.0
+    default_start_after: ClassVar[int] = 20
+
+    def __init__(self, seed: int = 0, start_after: int | None = None,
+                 probability: float | None = None) -> None:
+        self.seed = seed
+        self.start_after = self.default_start_after if start_after is None else start_after
+        self.probability = self.default_probability if probability is None else probability
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"probability must be in [0, 1], got {self.probability}")
+        self.rng = random.Random(derive_seed("fault", self.name, seed))
+        self.injections: list[Injection] = []
+
+    def active(self, request_index: int) -> bool:
+        return request_index >= self.start_after
+
+    def chance(self) -> bool:
+        return self.rng.random() < self.probability
+
+    def record(self, request_index: int, block_id: int | None, detail: str) -> None:
+        if len(self.injections) < MAX_INJECTIONS:
+            self.injections.append(Injection(request_index, block_id, detail))
+
+    # ------------------------------------------------------------------ hooks
+    def block_hash(self, request_index: int, parent: BlockHash | None, tokens: Sequence[int],
+                   key_fields: KeyFields) -> BlockHash | None:
+        """Replace the block hash; ``None`` keeps the engine's strong chained hash."""
+        return None
+
+    def before_allocate(self, engine: ReferenceEngine, request_index: int) -> None:
+        """Before the blocks of request ``request_index`` are allocated."""
+
+    def on_hit(self, engine: ReferenceEngine, seq: RunningSequence,
+               block_ids: Sequence[int]) -> None:
+        """After a lookup found ``block_ids`` for ``seq`` (ground truth for key faults)."""
+
+    def on_allocate(self, engine: ReferenceEngine, seq: RunningSequence,
+                    block_ids: Sequence[int]) -> None:
+        """After fresh blocks were allocated for ``seq`` (before anything is written)."""
+
+    def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
+                        block_id: int) -> None:
+        """After a full block was indexed and reported (its write-time digest taken)."""
+
+    def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
+        """Release ``seq``'s blocks instead of the engine; ``None`` = the clean release.
+        Returns the blocks that left the index (the engine reports them freed)."""
+        return None
+
+
+# ---------------------------------------------------------------------- content faults
+class ZeroBlock(Fault):
+    name = "zero-block"
+    description = "a stored block's K/V is zeroed in place after the write (memset after free)"
+    corrupts_kv = True
+    default_probability = 0.1
+
+    def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
+                        block_id: int) -> None:
+        if self.active(seq.seq_id) and self.chance():
+            engine.pool.key[:, block_id].zero_()
+            engine.pool.value[:, block_id].zero_()
+            self.record(seq.seq_id, block_id, "K and V zeroed")
+
+
+class NonFinite(Fault):
+    name = "nonfinite"
+    description = "NaN written into one token row of a stored block (overflow, bad scale)"
+    corrupts_kv = True
+    default_probability = 0.05
+
+    def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
+                        block_id: int) -> None:
+        if self.active(seq.seq_id) and self.chance():
+            pool = engine.pool
+            layer = self.rng.randrange(pool.key.shape[0])
+            head = self.rng.randrange(pool.key.shape[2])
+            slot = self.rng.randrange(pool.block_size)
+            pool.key[layer, block_id, head, slot] = float("nan")
+            self.record(seq.seq_id, block_id, f"NaN in K layer {layer} head {head} slot {slot}")
+
+
+class BitFlip(Fault):
+    name = "bit-flip"
+    description = "one bit of one K/V element flips after the write (memory/transfer fault)"
+    corrupts_kv = True
+    default_probability = 0.05
+
+    def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
+                        block_id: int) -> None:
+        if not (self.active(seq.seq_id) and self.chance()):
+            return
+        pool = engine.pool
+        store = pool.key if self.rng.random() < 0.5 else pool.value
+        layers, _, heads, slots, dim = store.shape
+        where = (self.rng.randrange(layers), block_id, self.rng.randrange(heads),
+                 self.rng.randrange(slots), self.rng.randrange(dim))
+        element = store[where[0], where[1], where[2], where[3], where[4]:where[4] + 1]
+        bits = element.element_size() * 8
+        bit = self.rng.randrange(bits)
+        mask = 1 << bit
+        if mask >= 1 << (bits - 1):  # as a signed integer of the element's width
+            mask -= 1 << bits
+        as_int = element.view({2: torch.int16, 4: torch.int32}[element.element_size()])
+        as_int ^= mask  # in place: the view shares the pool's storage
+        self.record(seq.seq_id, block_id, f"bit {bit} flipped at {where}")
+
+
+# ---------------------------------------------------------------------- allocator faults
+class BoundaryOffByOne(Fault):
+    name = "boundary-off-by-one"
+    description = ("a sequence ending exactly on a block boundary frees its last full block "
+                   "straight to the free queue while the hash map still points at it")
+    corrupts_kv = True
+
+    def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
+        bs = engine.block_size
+        if not self.active(seq.seq_id) or seq.num_computed % bs or not self.chance():
+            return None
+        pool = engine.pool
+        # The bug: the partial-tail index is computed as (n - 1) // bs, so on an exact
+        # multiple the last *full* block is treated as the private partial tail.
+        tail = (seq.num_computed - 1) // bs
+        for i in reversed(range(len(seq.blocks))):
+            b = seq.blocks[i]
+            if pool.deref(b, seq.seq_id) != 0:
+                continue
+            if i >= tail:
+                if pool.blocks[b].block_hash is not None:
+                    self.record(seq.seq_id, b, "indexed full block pushed to the free queue")
+                pool.push_free(b)
+            else:
+                pool.park(b)
+        return []
+
+
+class PrematureFree(Fault):
+    name = "premature-free"
+    description = ("releasing a shared block drops every reference, so it is reused while "
+                   "another live sequence (and the hash map) still point at it")
+    corrupts_kv = True
+    default_probability = 0.5
+
+    def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
+        if not self.active(seq.seq_id):
+            return None
+        pool = engine.pool
+        for b in reversed(seq.blocks):
+            shared = pool.blocks[b].ref_count > 1
+            left = pool.deref(b, seq.seq_id)
+            if shared and self.chance():
+                pool.blocks[b].ref_count = 0  # the other holders keep using it
+                pool.push_free(b)
+                self.record(seq.seq_id, b, "shared block freed while still held")
+            elif left == 0:
+                pool.park(b)
+        return []
+
+
+class Leak(Fault):
+    name = "leak"
+    description = "a finished sequence's blocks are never released (free count drifts down)"
+    default_probability = 0.3
+
+    def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
+        if self.active(seq.seq_id) and self.chance():
+            self.record(seq.seq_id, None, f"{len(seq.blocks)} blocks leaked")
+            return []
+        return None
+
+
+class StaleReuse(Fault):
+    name = "stale-reuse"
+    description = ("a reused block is never written for its new owner: it keeps the previous "
+                   "owner's KV and is indexed under the new owner's hash")
+    corrupts_kv = True
+    default_probability = 0.3
+
+    def on_allocate(self, engine: ReferenceEngine, seq: RunningSequence,
+                    block_ids: Sequence[int]) -> None:
+        if not block_ids or not self.active(seq.seq_id):
+            return
+        b = block_ids[0]
+        first_new = len(seq.blocks) - len(block_ids)
+        span = seq.prompt_len + seq.request.max_new_tokens - 1
+        # Only a block that had an owner before and that this sequence fills completely:
+        # the stale content then gets indexed, which is the bug's harm beyond one request.
+        if (engine.pool.blocks[b].generation > 1 and span >= (first_new + 1)
+                * engine.block_size and self.chance()):
+            seq.skip_write.add(b)
+            self.record(seq.seq_id, b, "first new block left with the previous owner's KV")
+
+
+# ---------------------------------------------------------------------- key faults
+class KeyMissingField(Fault):
+    name = "key-missing-field"
+    description = ("the block hash drops the adapter: requests with different adapters "
+                   "share entries")
+    corrupts_kv = True
+
+    def block_hash(self, request_index: int, parent: BlockHash | None, tokens: Sequence[int],
+                   key_fields: KeyFields) -> BlockHash | None:
+        if not self.active(request_index):
+            return None
+        # Hashing the adapter as "" keeps every adapter-less entry valid (no hit-rate dip
+        # when the bug ships) while named adapters collide with the plain model's entries.
+        blanked = tuple((k, "" if k == "adapter" else v) for k, v in key_fields)
+        return chain_hash(parent, tokens, blanked)
+
+    def on_hit(self, engine: ReferenceEngine, seq: RunningSequence,
+               block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            stored = engine.pool.blocks[b].key_fields
+            if stored and stored != seq.key_fields:
+                self.record(seq.seq_id, b, f"hit stored with {dict(stored)}")
+
+
+class HashCollision(Fault):
+    name = "hash-collision"
+    description = ("a weak block hash (a few thousand buckets) maps different token "
+                   "sequences to one entry")
+    corrupts_kv = True
+
+    def __init__(self, seed: int = 0, start_after: int | None = None,
+                 probability: float | None = None, buckets: int = 2048) -> None:
+        super().__init__(seed, start_after, probability)
+        self.buckets = buckets
+
+    def block_hash(self, request_index: int, parent: BlockHash | None, tokens: Sequence[int],
+                   key_fields: KeyFields) -> BlockHash | None:
+        if not self.active(request_index):
+            return None
+        strong = chain_hash(parent, tokens, key_fields)
+        return (int.from_bytes(strong[:8], "little") % self.buckets).to_bytes(8, "little")
+
+    def on_hit(self, engine: ReferenceEngine, seq: RunningSequence,
+               block_ids: Sequence[int]) -> None:
+        bs = engine.block_size
+        for i, b in enumerate(block_ids):
+            meta = engine.pool.blocks[b]
+            if (meta.tokens != tuple(seq.tokens[i * bs:(i + 1) * bs])
+                    or meta.key_fields != seq.key_fields or meta.prefix_tokens != i * bs):
+                self.record(seq.seq_id, b, f"block {i} of the hit holds other tokens")
+                return  # every later block of this hit is out of context as well
+
+
+class Fragmentation(Fault):
+    name = "fragmentation"
+    description = ("the allocator insists on runs of consecutive free blocks: allocations "
+                   "fail (and evict) while plenty of scattered blocks are free")
+
+    def before_allocate(self, engine: ReferenceEngine, request_index: int) -> None:
+        if self.active(request_index) and not engine.pool.contiguous:
+            engine.pool.contiguous = True
+            self.record(request_index, None, "allocator switched to contiguous runs")
+
+
+# ---------------------------------------------------------------------- registry
+FAULTS: dict[str, type[Fault]] = {
+    cls.name: cls
+    for cls in (Fault, ZeroBlock, NonFinite, BoundaryOffByOne, StaleReuse, KeyMissingField,
+                HashCollision, PrematureFree, Leak, BitFlip, Fragmentation)
+}
+
+
+def make_fault(name: str, seed: int = 0, start_after: int | None = None,
+               probability: float | None = None, **params: Any) -> Fault:
+    """Instantiate a fault by name (``kv-sidecar faults`` lists them); ``params`` are the
+    fault's own knobs (e.g. ``buckets`` for hash-collision)."""
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    return FAULTS[name](seed=seed, start_after=start_after, probability=probability, **params)
+
+
+def describe_faults() -> list[tuple[str, str]]:
+    """(name, one-line description) of every fault, in registry order."""
+    return [(name, cls.description) for name, cls in FAULTS.items()]
