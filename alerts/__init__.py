@@ -1,0 +1,1 @@
+"""Prometheus recording and alerting rules for kv-sidecar, generated from sidecar.signals."""

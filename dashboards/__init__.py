@@ -1,0 +1,1 @@
+"""Grafana dashboards for kv-sidecar, as code (grafanalib) generating committed JSON."""

@@ -1,0 +1,175 @@
+"""kv-sidecar overview: is the KV cache serving the right KV, and is anyone checking?
+
+The first row puts the hit rate and the content-anomaly rate side by side: a 98% hit rate
+over all-zero blocks must be visible at a glance. Then: which check fails and where, how
+much is being verified, the allocator, latency, and a fleet view that ranks instances by
+anomaly rate to spot one bad GPU among many.
+
+Generated to ``overview.json`` by ``python -m dashboards.generate``.
+"""
+
+from __future__ import annotations
+
+from grafanalib.core import Dashboard, Time
+
+from alerts.rules import P99_BASELINE
+from dashboards.common import (
+    RANGE,
+    SELECTOR,
+    layout,
+    quantile,
+    rate,
+    ratio,
+    sel,
+    stat,
+    steps,
+    table,
+    templating,
+    timeseries,
+)
+from sidecar import signals as S
+from sidecar.signals import THRESHOLDS as T
+
+# "Any anomaly is red": Grafana colours a step from its value upwards, so the red step sits
+# just above zero.
+ANY = 1e-9
+
+lookup_hit_rate = ratio(S.HITS, S.LOOKUPS)
+token_hit_rate = ratio(S.HIT_TOKENS, S.QUERY_TOKENS)
+anomaly_rate = ratio(S.ANOMALIES, S.VERIFIED)
+age = f"time() - max({sel(S.LAST_VERIFICATION)})"
+
+headline = [
+    (stat("Hit rate", "Lookups that hit the prefix cache, and prompt tokens served from "
+          "it. A hit rate says a key was found, not that the KV behind it is right: read it "
+          "next to the content-anomaly rate.", "percentunit",
+          [(lookup_hit_rate, "lookups"), (token_hit_rate, "tokens")],
+          steps("red", (T.hit_rate_low, "green")), decimals=1), 6, 4),
+    (stat("Content-anomaly rate", "Verified KV blocks that failed a check (zeros, NaN, "
+          "recompute mismatch, ...) / verified blocks. Anything above zero means hits are "
+          "serving wrong KV.", "percentunit", [(anomaly_rate, "anomalous / verified")],
+          steps("green", (ANY, "red")), decimals=2), 6, 4),
+    (stat("Anomalies in range", "Content anomalies found over the dashboard's time range.",
+          "short", [(f"sum(increase({sel(S.ANOMALIES)}[{RANGE}]))", "anomalies")],
+          steps("green", (ANY, "red")), decimals=0), 6, 4),
+    (stat("Last verification", "Seconds since the most recent completed verification. "
+          "Silence is not health: a stale value while hits flow means nobody is checking.",
+          "s", [(age, "age")], steps("green", (T.verification_stale_seconds, "orange"))),
+     6, 4),
+    (timeseries("Hit rate", "Per instance, by lookups and by prompt tokens. The line marks "
+                "the hit-rate threshold (low-hit-rate warning on tokens; the page for "
+                "anomalies behind a high hit rate on lookups).", "percentunit",
+                [(ratio(S.HITS, S.LOOKUPS, "instance"), "lookups {{instance}}"),
+                 (ratio(S.HIT_TOKENS, S.QUERY_TOKENS, "instance"), "tokens {{instance}}")],
+                steps("red", (T.hit_rate_low, "green"))), 12, 8),
+    (timeseries("Content-anomaly rate", "Anomalous / verified blocks, per instance.",
+                "percentunit",
+                [(ratio(S.ANOMALIES, S.VERIFIED, "instance"), "{{instance}}")],
+                steps("green", (ANY, "red"))), 12, 8),
+]
+
+anomalies = [
+    (timeseries("Anomalies by kind", "Which check failed: the kind names the fault family "
+                "(see the KVCacheContentAnomaly runbook).", "cps",
+                [(rate(S.ANOMALIES, "kind"), "{{kind}}")]), 12, 8),
+    (timeseries("Anomalies by cache group", "Which cache group (full attention, sliding "
+                "window, ...) holds the wrong KV.", "cps",
+                [(rate(S.ANOMALIES, "instance, group"), "{{instance}} {{group}}")]), 12, 8),
+]
+
+coverage = [
+    (timeseries("Verified blocks/s", "Sampled blocks whose verification completed, by "
+                "cache group.", "cps", [(rate(S.VERIFIED, "group"), "{{group}}")]), 6, 8),
+    (timeseries("Sampled and dropped hits/s", "Hits chosen for verification, and those "
+                "dropped unverified by reason (queue full, budget, adapter errors).", "cps",
+                [(rate(S.SAMPLED), "sampled"),
+                 (rate(S.SAMPLES_DROPPED, "reason"), "dropped: {{reason}}")]), 6, 8),
+    (timeseries("Age of the last verification", "Seconds since each instance last "
+                "completed a verification; the line is the stall threshold.", "s",
+                [(f"time() - max by (instance) ({sel(S.LAST_VERIFICATION)})", "{{instance}}")],
+                steps("green", (T.verification_stale_seconds, "orange"))), 6, 8),
+    (timeseries("Verification time", "Time to verify one sampled hit (read, checks, "
+                "recompute).", "s",
+                [(quantile(0.5, S.VERIFY_DURATION), "P50"),
+                 (quantile(0.99, S.VERIFY_DURATION), "P99")]), 6, 8),
+]
+
+allocator = [
+    (timeseries("Allocation-failure rate", "Failed block allocations / attempts.",
+                "percentunit", [(ratio(S.ALLOCATION_FAILURES, S.ALLOCATIONS, "instance"),
+                                 "{{instance}}")],
+                steps("green", (T.allocation_failure_rate, "red"))), 8, 8),
+    (timeseries("Usage", "Blocks held by live sequences / total blocks.", "percentunit",
+                [(f"max by (instance) ({sel(S.USAGE_RATIO)})", "{{instance}}")],
+                steps("green", (T.usage_ratio, "orange"))), 8, 8),
+    (timeseries("Fragmentation", "External: 1 - largest free run / free blocks. Internal: "
+                "unused token slots in held blocks.", "percentunit",
+                [(f"max by (instance) ({sel(S.FRAGMENTATION_RATIO)})",
+                  "external {{instance}}"),
+                 (f"max by (instance) ({sel(S.INTERNAL_FRAGMENTATION_RATIO)})",
+                  "internal {{instance}}")],
+                steps("green", (T.fragmentation_ratio, "orange"))), 8, 8),
+    (timeseries("Blocks by state", "Pool blocks: free, cached (reusable prefix), used, "
+                "total.", "short",
+                [(f"sum by (state) ({sel(S.BLOCKS)})", "{{state}}")]), 12, 8),
+    (timeseries("Allocator invariant violations", "Broken invariants (a free block still "
+                "indexed, a ref count below its holders): each is a corruption in waiting.",
+                "cps", [(rate(S.INVARIANT_VIOLATIONS, "kind"), "{{kind}}")],
+                steps("green", (ANY, "red"))), 12, 8),
+]
+
+latency = [
+    (timeseries("Request latency", "End-to-end request latency from the histogram; the "
+                "baseline is the recorded median of the day's 5m P99.", "s",
+                [(quantile(0.5, S.REQUEST_LATENCY), "P50"),
+                 (quantile(0.99, S.REQUEST_LATENCY), "P99"),
+                 (f"max({P99_BASELINE}{{{SELECTOR}}})", "P99 baseline")]), 16, 8),
+    (timeseries("Requests/s", "Completed requests per second.", "reqps",
+                [(rate(S.REQUEST_LATENCY, "instance", suffix="_count"), "{{instance}}")]),
+     8, 8),
+]
+
+by_instance_anomaly_rate = ratio(S.ANOMALIES, S.VERIFIED, "instance")
+
+
+def over_range(num: S.Signal, den: S.Signal) -> str:
+    """Per-instance ratio over the whole time range (the table summarises the range)."""
+    return (f"sum by (instance) (increase({sel(num)}[{RANGE}]))\n/\n"
+            f"sum by (instance) (increase({sel(den)}[{RANGE}]))")
+
+
+fleet = [
+    (timeseries("Top 5 instances by content-anomaly rate", "One bad GPU among many shows "
+                "up here first.", "percentunit",
+                [(f"topk(5, {by_instance_anomaly_rate})", "{{instance}}")],
+                steps("green", (ANY, "red"))), 12, 9),
+    (table("Fleet: anomalies and hit rate per instance", "Anomalies over the time range "
+           "next to each instance's hit rates over the same range; sort by anomalies.",
+           [(f"sum by (instance) (increase({sel(S.ANOMALIES)}[{RANGE}]))", "anomalies",
+             "short"),
+            (over_range(S.HITS, S.LOOKUPS), "hit rate (lookups)", "percentunit"),
+            (over_range(S.HIT_TOKENS, S.QUERY_TOKENS), "hit rate (tokens)", "percentunit")]),
+     12, 9),
+]
+
+dashboard = Dashboard(
+    title="kv-sidecar / Overview",
+    uid="kv-sidecar-overview",
+    description="Is the KV cache serving the right KV? Hit rate next to content anomalies, "
+                "verification coverage, allocator health, latency and the fleet.",
+    tags=["kv-sidecar", "kv-cache"],
+    timezone="utc",
+    time=Time("now-1h", "now"),
+    refresh="30s",
+    schemaVersion=36,
+    graphTooltip=1,
+    templating=templating(),
+    panels=layout([
+        ("Is the cache serving the right KV?", headline),
+        ("Anomalies", anomalies),
+        ("Verification coverage", coverage),
+        ("Allocator health", allocator),
+        ("Latency", latency),
+        ("Fleet", fleet),
+    ]),
+).auto_panel_ids()
