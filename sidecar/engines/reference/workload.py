@@ -29,10 +29,10 @@ from sidecar.engines.reference.model import derive_seed
 class WorkloadConfig:
     seed: int = 0
     conversations: int = 48
-    min_turns: int = 2
-    max_turns: int = 6
+    min_turns: int = 3
+    max_turns: int = 8
     system_prompts: int = 4
-    system_prompt_tokens: tuple[int, int] = (40, 100)
+    system_prompt_tokens: tuple[int, int] = (60, 160)
     user_tokens: tuple[int, int] = (6, 30)
     max_new_tokens: int = 8
     block_size: int = 16  # to size boundary-aligned turns; match the engine's
