@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-e2e test-vllm bench clean
+.PHONY: demo test venv lint test-unit test-e2e test-vllm bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ test-vllm: venv
 	bash scripts/test-vllm.sh
 
 test: lint test-unit test-e2e test-vllm
+
+# Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
+stack: venv
+	$(PY) examples/stack/stack.py --fault $(FAULT)
 
 bench: venv
 	$(VENV)/bin/kv-sidecar bench detection
