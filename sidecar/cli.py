@@ -4,6 +4,7 @@ Subcommands:
   demo      run the reference engine under a chat workload with the sidecar attached
   faults    list the faults the reference engine can inject
   signals   list the exported signals (``--markdown`` prints the README table)
+  vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
   bench     benchmarks (``bench detection``)
 
 Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
@@ -14,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sidecar import __version__
 
@@ -24,34 +27,28 @@ class UsageError(Exception):
     """Bad user input: printed without a traceback, exit code 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _bounded(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: parse ``kind`` and check ``low <= value (<= high)``, with a message
+    that says what was expected (argparse turns it into exit code 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole number' if kind is int else 'number'}, got {text!r}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            bound = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value}")
-    return value
+_positive_int = _bounded(int, 1)
+_nonneg_float = _bounded(float, 0.0)
+_port = _bounded(int, 0, 65535)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -100,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("faults", help="list the injectable faults",
                    description="List the faults the reference engine can inject by name.")
 
+    v = sub.add_parser("vllm", add_help=False,
+                       help="the sidecar beside a vLLM server (`kv-sidecar vllm --help`)",
+                       description="Run kv-sidecar beside vLLM: event audit, metrics bridge, "
+                                   "sampled content verification through the in-engine probe.")
+    v.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
     s = sub.add_parser("signals", help="list the exported signals",
                        description="List every signal kv-sidecar exports (the single source "
                                    "of truth in sidecar/signals.py).")
@@ -147,7 +150,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: finally blocks close the server
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm"]:  # its own parser: every flag after `vllm` is the adapter's
+        from sidecar.adapters.vllm.cli import main as vllm_main
+
+        return vllm_main(argv[1:] or ["--help"])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# kv-sidecar beside vLLM's OpenAI server: start both, send traffic, show the signals.
+#
+#   MODEL=/tmp/kvsidecar-tiny DTYPE=float32 bash examples/vllm/beside.sh
+#
+# Settings (environment): MODEL (checkpoint dir, required), DTYPE (bfloat16), BLOCK (32),
+# VLLM_PORT (8000), SIDECAR_PORT (9400), SAMPLE_EVERY (10: the probe samples 1 hit in N),
+# REFERENCE (engine | hf), REQUESTS (60), RUN (a directory for sockets and logs),
+# PY (the python of the vLLM environment; the sidecar package must be installed there for
+# the in-engine probe), SIDECAR_PY (the sidecar's python; defaults to PY),
+# KEEP_RUNNING=1 to leave both running (Ctrl-C stops them).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+MODEL="${MODEL:?set MODEL to a checkpoint directory (examples/vllm/make_tiny_model.py)}"
+DTYPE="${DTYPE:-bfloat16}" BLOCK="${BLOCK:-32}" REFERENCE="${REFERENCE:-engine}"
+VLLM_PORT="${VLLM_PORT:-8000}" SIDECAR_PORT="${SIDECAR_PORT:-9400}"
+SAMPLE_EVERY="${SAMPLE_EVERY:-10}" REQUESTS="${REQUESTS:-60}"
+PY="${PY:-python}" SIDECAR_PY="${SIDECAR_PY:-$PY}"
+RUN="${RUN:-$(mktemp -d /tmp/kvsidecar-XXXXXX)}"
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+mkdir -p "$RUN"
+VLLM_URL="http://127.0.0.1:$VLLM_PORT" SIDECAR_URL="http://127.0.0.1:$SIDECAR_PORT"
+
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT INT TERM
+
+# 1. The vLLM flags that load the probe and publish KV events (printed, then used).
+mapfile -t ENGINE_ARGS < <("$SIDECAR_PY" -m sidecar.adapters.vllm engine-args \
+    --probe "ipc://$RUN/probe.sock" --events "ipc://$RUN/events.sock" \
+    --replay "ipc://$RUN/replay.sock" --sample-every "$SAMPLE_EVERY" | xargs -n1)
+echo "vLLM flags: ${ENGINE_ARGS[*]}"
+
+# 2. vLLM's OpenAI server, with the probe loaded from the sidecar package.
+"$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$DTYPE" \
+    --block-size "$BLOCK" --enable-prefix-caching --max-model-len 1024 --enforce-eager \
+    --host 127.0.0.1 --port "$VLLM_PORT" "${ENGINE_ARGS[@]}" > "$RUN/vllm.log" 2>&1 &
+pids+=($!)
+
+# 3. The sidecar: probe receiver, event audit, vLLM metrics bridge, /metrics on its port.
+"$SIDECAR_PY" -m sidecar.adapters.vllm serve --model "$MODEL" --dtype "$DTYPE" \
+    --block-size "$BLOCK" --probe "ipc://$RUN/probe.sock" --events "ipc://$RUN/events.sock" \
+    --replay "ipc://$RUN/replay.sock" --metrics-url "$VLLM_URL/metrics" \
+    --engine-url "$VLLM_URL" --reference "$REFERENCE" --port "$SIDECAR_PORT" \
+    --poll-every 1 > "$RUN/sidecar.log" 2>&1 &
+pids+=($!)
+
+wait_for() {  # url, seconds
+    "$SIDECAR_PY" - "$1" "$2" <<'PYEOF'
+import sys, time, urllib.request
+url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(url, timeout=2).read()
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.5)
+sys.exit(f"{url} did not answer")
+PYEOF
+}
+wait_for "$VLLM_URL/health" 240
+wait_for "$SIDECAR_URL/healthz" 60
+echo "vLLM on $VLLM_URL, sidecar on $SIDECAR_URL/metrics (logs in $RUN)"
+
+# 4. Traffic with shared prefixes; vLLM's own hit rate.
+"$PY" "$HERE/load.py" --url "$VLLM_URL" --model "$MODEL" --requests "$REQUESTS" \
+    | tee "$RUN/load.json"
+sleep 3  # the last samples are verified and vLLM's metrics polled once more
+
+# 5. The signals, as Prometheus scrapes them.
+"$SIDECAR_PY" - "$SIDECAR_URL" "$RUN" <<'PYEOF'
+import json, sys, urllib.request
+url, run = sys.argv[1], sys.argv[2]
+metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+open(f"{run}/sidecar-metrics.txt", "w").write(metrics)
+status = json.loads(urllib.request.urlopen(f"{url}/status", timeout=10).read())
+open(f"{run}/status.json", "w").write(json.dumps(status, indent=1))
+keep = ("hit_tokens_total", "verified_total", "anomalies_total", "usage_ratio",
+        "allocation_failures_total", "kv_event_hashes_verified_total",
+        "kv_event_hash_mismatches_total", "kv_event_decode_errors_total")
+for line in metrics.splitlines():
+    if line.startswith("kvsidecar_") and any(k in line for k in keep) and (
+            "anomalies" not in line or not line.endswith(" 0.0")):
+        print(line)
+print(json.dumps({k: status[k] for k in ("lookups", "hits", "sampled", "verified",
+                                        "anomalies", "max_recompute_error")}))
+PYEOF
+
+if [[ "${KEEP_RUNNING:-0}" == 1 ]]; then
+    echo "running; Ctrl-C to stop"
+    wait
+fi

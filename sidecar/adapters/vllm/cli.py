@@ -1,0 +1,125 @@
+"""``python -m sidecar.adapters.vllm``: the sidecar beside a vLLM OpenAI server.
+
+Two subcommands:
+
+* ``engine-args``: prints the ``--kv-transfer-config`` / ``--kv-events-config`` flags that
+  connect a ``python -m vllm.entrypoints.openai.api_server`` to this sidecar;
+* ``serve``: runs the sidecar (probe receiver, event audit, metrics bridge, Monitor) and
+  serves ``/metrics``, ``/healthz`` and ``/status`` on 127.0.0.1.
+
+See examples/vllm/README.md for a walk-through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shlex
+import signal
+import sys
+import threading
+import time
+
+from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
+from sidecar.adapters.vllm.hashing import ALGOS
+
+
+def _engine_args(a: argparse.Namespace) -> int:
+    flags = []
+    if a.probe:
+        flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
+            a.probe, a.sample_every, a.blocks_per_sample, a.seed))]
+    if a.events:
+        flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
+    print(" ".join(shlex.quote(f) for f in flags))
+    return 0
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
+    from sidecar.monitor import SidecarConfig
+    from sidecar.server import SidecarServer
+
+    cfg = VllmSidecarConfig(
+        model_dir=a.model, dtype=a.dtype, block_size=a.block_size,
+        model_name=a.served_model_name, probe_endpoint=a.probe, events_endpoint=a.events,
+        replay_endpoint=a.replay, events_bind=a.events_bind, hash_algo=a.hash_algo,
+        hash_seed=a.hash_seed, metrics_url=a.metrics_url, engine_url=a.engine_url,
+        reference=a.reference, allocator_every_s=a.poll_every,
+        sidecar=SidecarConfig(sample_every=1, blocks_per_sample=a.blocks_per_sample,
+                              adapter_timeout_s=a.adapter_timeout,
+                              recompute_tokens_per_s=a.recompute_budget))
+    sc = VllmSidecar(cfg).start()
+    server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port).start()
+    print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        done.wait(a.duration if a.duration > 0 else None)
+    sc.monitor.drain(10.0)
+    summary = sc.summary()
+    server.stop()
+    sc.stop()
+    print(json.dumps(summary, indent=1, default=str), flush=True)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sidecar.adapters.vllm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("engine-args", "serve"):
+        s = sub.add_parser(name)
+        s.add_argument("--probe", help="probe socket (the sidecar binds it), e.g. "
+                                       "ipc:///tmp/kvsidecar-probe.sock")
+        s.add_argument("--events", help="vLLM's KV event endpoint, e.g. "
+                                        "ipc:///tmp/vllm-kv-events.sock")
+        s.add_argument("--replay", help="vLLM's KV event replay endpoint")
+        s.add_argument("--blocks-per-sample", type=int, default=2)
+        if name == "engine-args":
+            s.add_argument("--sample-every", type=int, default=100,
+                           help="the probe samples 1 prefix hit in N")
+            s.add_argument("--seed", type=int, default=0)
+            s.set_defaults(fn=_engine_args)
+            continue
+        s.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
+        s.add_argument("--served-model-name", help="defaults to --model, like vLLM")
+        s.add_argument("--dtype", required=True, choices=("float32", "float16", "bfloat16"))
+        s.add_argument("--block-size", type=int, required=True)
+        s.add_argument("--events-bind", action="store_true",
+                       help="bind --events (for a tcp://127.0.0.1:PORT endpoint)")
+        s.add_argument("--hash-algo", default="sha256", choices=ALGOS)
+        s.add_argument("--hash-seed", help="the engine's PYTHONHASHSEED, when it sets one")
+        s.add_argument("--metrics-url", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics")
+        s.add_argument("--engine-url", help="vLLM's server for engine-side recompute")
+        s.add_argument("--reference", default="engine", choices=("engine", "hf", "none"))
+        s.add_argument("--adapter-timeout", type=float, default=10.0)
+        s.add_argument("--recompute-budget", type=float, default=100_000.0,
+                       help="recomputed tokens per second at most (<= 0: unlimited)")
+        s.add_argument("--poll-every", type=float, default=2.0,
+                       help="seconds between reads of vLLM's /metrics")
+        s.add_argument("--host", default="127.0.0.1")
+        s.add_argument("--port", type=int, default=9400)
+        s.add_argument("--duration", type=float, default=0.0,
+                       help="stop after this many seconds and print the summary (0: run)")
+        s.set_defaults(fn=_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    a = parser().parse_args(argv)
+    if a.cmd == "serve" and a.served_model_name is None:
+        a.served_model_name = a.model
+    started = time.monotonic()
+    rc = int(a.fn(a))
+    logging.getLogger(__name__).debug("ran %.1fs", time.monotonic() - started)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The in-engine probe: a vLLM KV connector that samples prefix hits and ships their KV.
+
+Why a KV connector (``KVTransferConfig(kv_connector_module_path=...)``) rather than a worker
+extension or a general plugin: it is the one supported extension point that sees *both*
+sides of a hit. Its scheduler half is told, for every new request, how many prompt tokens
+the local prefix cache matched and which block ids the request got (``build_connector_meta``
+receives ``NewRequestData.num_computed_tokens`` and ``block_ids``); its worker half is handed
+the KV-cache tensors (``register_kv_caches``) and runs after every forward
+(``wait_for_save``). A worker extension sees only tensors and would need the hits from
+elsewhere; a general plugin would have to patch vLLM internals. The connector is loaded by
+module path, needs no install step beyond the sidecar package, and never changes what the
+engine computes: it reports 0 external tokens and never delays a free.
+
+What it does, all best-effort (an error is logged and counted, never raised into vLLM):
+
+* scheduler half: for each newly scheduled request, a ``lookups`` entry (prompt tokens,
+  tokens hit); 1 hit in ``sample_every`` (the sidecar's seeded :class:`UniformSampler`) is
+  sampled and its blocks chosen (last full block + random earlier ones, as the Monitor does).
+  A request whose ``cache_salt`` is a sidecar reference salt is the sidecar's own engine-side
+  recompute: not a lookup, its named blocks are captured once its prefill has run;
+* worker half: after the step's forward, copies the chosen blocks out of the paged KV
+  tensors, converts vLLM's CPU layout to (layers, kv_heads, block_size, head_dim) and pushes
+  them to the sidecar.
+
+vLLM's connector API is marked experimental and the KV layout is backend-specific, so the
+probe pins the vLLM version it was tested with and refuses to start on any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from sidecar.adapters.vllm.layout import decode_cpu_block, validate_cpu_layout
+from sidecar.adapters.vllm.pipe import Pipe
+from sidecar.adapters.vllm.version import check_vllm_version
+from sidecar.adapters.vllm.wire import capture_fields, parse_reference_salt
+from sidecar.protocol import Hit
+from sidecar.sampling import UniformSampler
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+_MAX_TRACKED = 10_000  # requests looked up but not yet scheduled/finished (bounded memory)
+
+
+@dataclass
+class CaptureOrder:
+    """What the scheduler half asks the worker half to copy out after this step."""
+
+    capture_id: str
+    role: str  # "hit" or "reference"
+    salt: str | None
+    tokens: list[int]
+    query_tokens: int  # the lookup's prompt length (a sampled hit is also a lookup)
+    hit_tokens: int
+    blocks: dict[int, list[int]]  # group -> block ids of the hit (or the reference prefix)
+    refs: list[tuple[int, int, int]]  # (group, index, block id)
+
+
+@dataclass
+class ProbeMetadata(KVConnectorMetadata):
+    captures: list[CaptureOrder] = field(default_factory=list)
+
+
+@dataclass
+class _Seen:
+    prompt: list[int]
+    hit_tokens: int
+    salt: str | None
+
+
+class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. Configure through ``kv_connector_extra_config``:
+    ``endpoint`` (required: the sidecar's PULL socket), ``sample_every`` (100),
+    ``blocks_per_sample`` (2), ``seed`` (0), ``pipe_hwm`` (64 messages)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        if "endpoint" not in extra:
+            raise ValueError("kv-sidecar probe: kv_connector_extra_config needs 'endpoint' "
+                             "(the sidecar's probe socket, e.g. ipc:///tmp/kvsidecar.sock)")
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self._model = str(vllm_config.model_config.model)
+        self._blocks_per_sample = int(extra.get("blocks_per_sample", 2))
+        self._sampler = UniformSampler(int(extra.get("sample_every", 100)),
+                                       int(extra.get("seed", 0)))
+        self._rng = random.Random(int(extra.get("seed", 0)))
+        self._pipe = Pipe(str(extra["endpoint"]), int(extra.get("pipe_hwm", 64)))
+        self._group_layers = _group_layers(kv_cache_config)
+        self._seen: dict[str, _Seen] = {}
+        self._pending_refs: dict[str, tuple[CaptureOrder, int]] = {}  # req -> (order, need)
+        self._kv: dict[str, torch.Tensor] = {}
+        self._layers: dict[int, list[str]] = {}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # an observer: nothing is handed off, a preempted request just restarts
+
+    # ------------------------------------------------------------------ scheduler half
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:  # may be called more than once per request: keep the latest answer
+            if len(self._seen) >= _MAX_TRACKED:  # oldest first; never grows without bound
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[request.request_id] = _Seen(
+                list(request.prompt_token_ids or []), int(num_computed_tokens),
+                request.cache_salt)
+        except Exception:
+            log.exception("kv-sidecar probe: lookup bookkeeping failed (ignored)")
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = ProbeMetadata()
+        try:
+            self._collect(scheduler_output, meta)
+        except Exception:
+            log.exception("kv-sidecar probe: building capture orders failed (ignored)")
+        return meta
+
+    def _collect(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
+        lookups: list[list[int]] = []
+        bs = self._block_size
+        for req in so.scheduled_new_reqs:
+            seen = self._seen.pop(req.req_id, None)
+            prompt = list(req.prompt_token_ids or (seen.prompt if seen else []))
+            hit = int(req.num_computed_tokens)
+            blocks = {g: list(ids) for g, ids in enumerate(req.block_ids)}
+            wanted = parse_reference_salt(seen.salt if seen else None)
+            if wanted is not None:
+                order = self._reference_order(req.req_id, seen, prompt, blocks, wanted)
+                need = (max(wanted) + 1) * bs
+                done = hit + so.num_scheduled_tokens.get(req.req_id, 0)
+                if done >= need:
+                    meta.captures.append(order)
+                else:  # chunked prefill: capture once the named blocks are computed
+                    self._pending_refs[req.req_id] = (order, need)
+                continue
+            n_full = hit // bs
+            h = Hit(tokens=prompt[:hit], hit_tokens=hit,
+                    blocks={g: ids[:n_full] for g, ids in blocks.items()})
+            if n_full > 0 and self._sampler.should_sample(h):
+                refs = self._sampler.choose(h, bs, self._blocks_per_sample)
+                meta.captures.append(CaptureOrder(
+                    uuid.uuid4().hex[:16], "hit", seen.salt if seen else None, prompt[:hit],
+                    len(prompt), hit, {g: list(ids) for g, ids in h.blocks.items()},
+                    [(r.group_id, r.index, r.block_id) for r in refs]))
+            else:
+                lookups.append([len(prompt), hit])
+        self._advance_pending_refs(so, meta)
+        if lookups:
+            self._pipe.send_message("lookups", items=lookups)
+
+    def _reference_order(self, req_id: str, seen: _Seen | None, prompt: list[int],
+                         blocks: dict[int, list[int]], wanted: list[int]) -> CaptureOrder:
+        salt = seen.salt if seen else None
+        refs = [(g, i, ids[i]) for g, ids in blocks.items() for i in wanted if i < len(ids)]
+        return CaptureOrder(req_id, "reference", salt, prompt, 0, len(prompt), blocks, refs)
+
+    def _advance_pending_refs(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
+        if not self._pending_refs:
+            return
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            pending = self._pending_refs.get(req_id)
+            if pending is None:
+                continue
+            order, need = pending
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            if done >= need:
+                meta.captures.append(order)
+                del self._pending_refs[req_id]
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._seen.pop(req_id, None)
+        self._pending_refs.pop(req_id, None)
+
+    # ------------------------------------------------------------------ worker half
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Raising here stops engine start-up with a clear message: better than a probe that
+        # silently reads the wrong bytes.
+        validate_cpu_layout(kv_caches, self._block_size)
+        self._kv = dict(kv_caches)
+        groups = self._group_layers or {0: list(kv_caches)}
+        self._layers = {g: sorted((n for n in names if n in kv_caches), key=_layer_index)
+                        for g, names in groups.items()}
+        first = next(iter(kv_caches.values()))
+        self._pipe.send_message(
+            "hello", vllm=vllm.__version__, model=self._model,
+            dtype=str(first.dtype).removeprefix("torch."), block_size=self._block_size,
+            kv_heads=int(first.shape[1]), head_dim=int(first.shape[3]) // 2,
+            groups={g: [_layer_index(n) for n in names] for g, names in self._layers.items()})
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        """After the step's forward: the named blocks hold their final KV; copy them out."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, ProbeMetadata):
+            return
+        for order in meta.captures:
+            try:
+                self._pipe.send_message("capture", **self._capture(order))
+            except Exception:
+                log.exception("kv-sidecar probe: capture %s failed (ignored)",
+                              order.capture_id)
+
+    def _capture(self, order: CaptureOrder) -> dict[str, Any]:
+        kv = []
+        bs = self._block_size
+        for g, index, block_id in order.refs:
+            layers = [self._kv[name] for name in self._layers.get(g, [])]
+            k, v = decode_cpu_block(layers, block_id, bs)
+            kv.append((g, index, block_id, k, v))
+        return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
+                              order.query_tokens, order.hit_tokens, order.blocks, kv)
+
+    def shutdown(self) -> None:
+        self._pipe.close()
+
+
+def _group_layers(kv_cache_config: Any) -> dict[int, list[str]]:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return {g: list(spec.layer_names) for g, spec in enumerate(groups)}
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else 0

@@ -1,0 +1,222 @@
+"""One vLLM engine watched by one sidecar: the Monitor plus the vLLM-specific feeds.
+
+Wiring, the same whether the sidecar runs beside ``vllm.entrypoints.openai.api_server`` or
+in the process that holds a ``vllm.LLM``:
+
+* probe pipe (:class:`.receiver.ProbeReceiver`) -> ``Monitor.on_lookup`` for every lookup,
+  with a :class:`.adapter.VllmHit` for the 1-in-N the probe sampled (the probe samples:
+  the KV must be copied while the engine still holds it);
+* KV event stream (:class:`.subscriber.EventSubscriber`) -> :class:`.audit.EventAuditor`;
+* vLLM's own metrics (:class:`.metrics_bridge.VllmMetricsBridge`) -> allocator state and
+  latency, polled by the Monitor's allocator job;
+* the Monitor verifies samples with :class:`.adapter.VllmAdapter` on its worker thread or,
+  with ``deferred=True``, when the owner calls :meth:`VllmSidecar.verify_pending` (needed
+  for the engine reference with an in-process ``vllm.LLM``, which only the thread that owns
+  it may drive).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from sidecar import signals as S
+from sidecar.adapters.vllm.adapter import (
+    VllmAdapter,
+    VllmHit,
+    engine_info_from_checkpoint,
+    hello_mismatches,
+    hit_from_capture,
+)
+from sidecar.adapters.vllm.audit import EventAuditor
+from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge, http_source
+from sidecar.adapters.vllm.receiver import ProbeReceiver
+from sidecar.adapters.vllm.reference import EngineReference, HFReference, Submit, http_submit
+from sidecar.adapters.vllm.subscriber import EventSubscriber
+from sidecar.adapters.vllm.wire import Capture
+from sidecar.jobs import Jobs
+from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.protocol import BlockRef, Hit, Lookup
+from sidecar.signals import DropReason
+from sidecar.verifier import Verdict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VllmSidecarConfig:
+    """Where the engine is and how to check it; see examples/vllm/README.md."""
+
+    model_dir: str
+    dtype: str
+    block_size: int
+    model_name: str | None = None  # the served model name (metric label, API model)
+    probe_endpoint: str | None = None  # the sidecar binds it; the probe connects
+    events_endpoint: str | None = None  # vLLM's KVEventsConfig.endpoint
+    replay_endpoint: str | None = None  # vLLM's KVEventsConfig.replay_endpoint
+    events_bind: bool = False  # bind (tcp://127.0.0.1:port endpoints) instead of connect
+    hash_algo: str = "sha256"  # vLLM's --prefix-caching-hash-algo
+    hash_seed: str | None = None  # the engine's PYTHONHASHSEED, if set
+    metrics_url: str | None = None  # vLLM's /metrics (beside the OpenAI server)
+    engine_url: str | None = None  # the OpenAI server, for the engine reference
+    reference: str = "engine"  # "engine", "hf" or "none"
+    deferred: bool = False
+    allocator_every_s: float = 2.0
+    pending_limit: int = 256
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+
+
+class ProbeSampler:
+    """The probe already sampled (1 in N, in the engine): verify exactly its captures."""
+
+    def should_sample(self, hit: Hit) -> bool:
+        return isinstance(hit, VllmHit) and hit.capture is not None
+
+    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
+        cap = getattr(hit, "capture", None)
+        if not isinstance(cap, Capture):
+            return []
+        return [BlockRef(g, i, int(cap.blocks[g][i])) for g, i in sorted(cap.kv)]
+
+    def feedback(self, hit: Hit, anomalous: bool) -> None:
+        return None
+
+
+class VllmSidecar:
+    def __init__(self, cfg: VllmSidecarConfig, registry: CollectorRegistry | None = None,
+                 submit: Submit | None = None,
+                 metrics_source: Callable[[], str] | None = None) -> None:
+        self.cfg = cfg
+        info = engine_info_from_checkpoint(cfg.model_dir, cfg.dtype, cfg.block_size,
+                                           cfg.model_name)
+        self.info = info
+        self.adapter = VllmAdapter(info, None)
+        self.monitor = Monitor(self.adapter, cfg.sidecar, registry, sampler=ProbeSampler(),
+                               info=info)
+        self.metrics = self.monitor.metrics
+        source = metrics_source or (http_source(cfg.metrics_url) if cfg.metrics_url else None)
+        if source is not None:
+            self.adapter.bridge = VllmMetricsBridge(
+                self.metrics, source, cfg.block_size, lookups=cfg.probe_endpoint is None,
+                on_latency=self.monitor.on_request_done, expect_hash_algo=cfg.hash_algo)
+        self.receiver: ProbeReceiver | None = None
+        if cfg.probe_endpoint:
+            self.receiver = ProbeReceiver(cfg.probe_endpoint, self.metrics, self._on_lookups,
+                                          self._on_capture, self._on_hello)
+        self.adapter.reference = self._make_reference(cfg, submit)
+        self.auditor = EventAuditor(self.metrics, cfg.hash_algo, cfg.hash_seed)
+        self.subscriber = (EventSubscriber(self.auditor, cfg.events_endpoint,
+                                           cfg.replay_endpoint, bind=cfg.events_bind)
+                           if cfg.events_endpoint else None)
+        self.jobs = Jobs(self.monitor, cfg.allocator_every_s)
+        self._pending: deque[VllmHit] = deque()
+        self._pending_lock = threading.Condition()
+        self.engine_mismatches: list[str] = []
+
+    def _make_reference(self, cfg: VllmSidecarConfig, submit: Submit | None) -> Any:
+        if cfg.reference == "hf":
+            return HFReference(cfg.model_dir, self.info)
+        if cfg.reference == "engine":
+            if self.receiver is None:
+                raise ValueError("the engine reference needs the probe (probe_endpoint)")
+            if submit is None:
+                if not cfg.engine_url:
+                    raise ValueError("the engine reference needs engine_url or a submit()")
+                submit = http_submit(cfg.engine_url, cfg.model_name or cfg.model_dir)
+            return EngineReference(self.receiver, submit, cfg.block_size,
+                                   timeout_s=0.8 * cfg.sidecar.adapter_timeout_s)
+        if cfg.reference == "none":
+            return None
+        raise ValueError(f"unknown reference {cfg.reference!r}: use engine, hf or none")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> VllmSidecar:
+        if self.receiver is not None:
+            self.receiver.start()
+        if self.subscriber is not None:
+            self.subscriber.start()
+        if not self.cfg.deferred:
+            self.monitor.start()
+        self.jobs.start()
+        return self
+
+    def stop(self) -> None:
+        self.jobs.stop()
+        for part in (self.subscriber, self.receiver):
+            if part is not None:
+                part.stop()
+        self.monitor.stop()
+
+    # ------------------------------------------------------------------ probe callbacks
+    def _on_lookups(self, items: list[tuple[int, int]]) -> None:
+        for q, h in items:
+            self.monitor.on_lookup(Lookup(q, h, Hit((), h, {}) if h > 0 else None))
+
+    def _on_capture(self, cap: Capture) -> None:
+        hit = hit_from_capture(cap)
+        if not self.cfg.deferred:
+            self.monitor.on_lookup(Lookup(cap.query_tokens, cap.hit_tokens, hit))
+            return
+        self.monitor.on_lookup(Lookup(cap.query_tokens, cap.hit_tokens,
+                                      Hit((), cap.hit_tokens, {})))
+        with self._pending_lock:
+            if len(self._pending) >= self.cfg.pending_limit:
+                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
+                return
+            self.metrics.inc(S.SAMPLED)
+            self._pending.append(hit)
+            self._pending_lock.notify_all()
+
+    def _on_hello(self, hello: dict[str, Any]) -> None:
+        self.engine_mismatches = hello_mismatches(self.info, hello)
+        if self.engine_mismatches:
+            log.error("the engine is not the one the sidecar was configured for: %s; "
+                      "verdicts will be wrong until this is fixed",
+                      "; ".join(self.engine_mismatches))
+        else:
+            log.info("vLLM %s probe connected (%s, %s, block %d)", hello.get("vllm"),
+                     hello.get("model"), hello.get("dtype"), hello.get("block_size"))
+
+    # ------------------------------------------------------------------ deferred mode
+    def wait_for_samples(self, n: int, timeout_s: float = 10.0) -> bool:
+        """Wait until ``n`` samples are pending (deferred mode): the probe sends a capture
+        before its request finishes, but it crosses a socket and a thread to get here."""
+        with self._pending_lock:
+            return self._pending_lock.wait_for(lambda: len(self._pending) >= n, timeout_s)
+
+    def quiesce(self, idle_s: float = 0.3, timeout_s: float = 5.0) -> None:
+        """Wait until the probe has been silent for ``idle_s`` (at most ``timeout_s``), so
+        the samples of requests that just finished have arrived."""
+        if self.receiver is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if time.monotonic() - self.receiver.last_message_at >= idle_s:
+                return
+            time.sleep(idle_s / 3)
+
+    def take_pending(self) -> list[VllmHit]:
+        with self._pending_lock:
+            hits = list(self._pending)
+            self._pending.clear()
+        return hits
+
+    def verify_pending(self) -> list[Verdict]:
+        """Verify the samples captured so far, on the calling thread (deferred mode)."""
+        self.quiesce()
+        return [self.monitor.verify(hit) for hit in self.take_pending()]
+
+    def summary(self) -> dict[str, Any]:
+        out = self.monitor.summary()
+        out["events"] = self.auditor.summary()
+        out["reference"] = getattr(self.adapter.reference, "name", None)
+        out["probe_messages"] = self.receiver.messages if self.receiver else 0
+        out["engine_mismatches"] = self.engine_mismatches
+        return out
