@@ -253,9 +253,12 @@ class Monitor:
             if self.first_anomaly_request is None:
                 self.first_anomaly_request = self.requests_done
             rec = self.evidence.record(verdict, self.info.engine, self.info.model)
-            log.warning("KV anomaly: %s", "; ".join(
-                f"{f.kind.value} group={f.group_id} block#{f.block_index}: {f.detail}"
-                for f in verdict.findings[:4]) + f" (evidence #{rec['seq']})")
+            # The first few in full, then one line in a hundred: a broken cache must not
+            # turn the log into a flood (the counters and the evidence keep every one).
+            if rec["seq"] <= 5 or rec["seq"] % 100 == 0:
+                log.warning("KV anomaly #%d: %s", rec["seq"], "; ".join(
+                    f"{f.kind.value} group={f.group_id} block#{f.block_index}: {f.detail}"
+                    for f in verdict.findings[:4]))
         try:
             self.sampler.feedback(verdict.sample.hit, verdict.anomalous)
         except Exception as exc:
