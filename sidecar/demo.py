@@ -72,7 +72,10 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
     monitor = Monitor(ReferenceAdapter(engine),
                       SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
                                     evidence_dir=opts.evidence_dir,
-                                    recompute_tokens_per_s=0))
+                                    recompute_tokens_per_s=0,
+                                    # check the allocator after every release: the demo
+                                    # reports the request at which each fault was caught
+                                    allocator_check_min_interval_s=0.0))
     engine.sink = monitor
     return engine, monitor
 
@@ -95,10 +98,18 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                                            conversations=max(8, opts.requests // 3 + 8),
                                            block_size=engine.block_size))
     done = 0
+    # Requests completed (the monitor's count, the unit of every "request index" in the
+    # summary) before the step in which the fault first acted: a lower bound, so the
+    # detection delays reported from it are never too short.
+    seen_done = 0
+    fault_start: int | None = None
 
     def on_result(result: Result) -> None:
-        nonlocal done
+        nonlocal done, seen_done, fault_start
         done += 1
+        if fault_start is None and getattr(engine.fault, "injections", None):
+            fault_start = seen_done
+        seen_done = monitor.requests_done
         progress.update(done, monitor)
         if opts.pace_s:
             time.sleep(opts.pace_s)
@@ -108,7 +119,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         monitor.drain(timeout_s=120)
         monitor.poll_allocator()
         summary = monitor.summary()
-        summary.update(demo_extras(engine, opts))
+        summary.update(demo_extras(engine, opts, summary, fault_start))
         if opts.hold_s > 0:
             if opts.progress:
                 print(f"holding {server.url}/metrics for {opts.hold_s:g}s", file=sys.stderr,
@@ -123,14 +134,30 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             mirror.shutdown()
 
 
-def demo_extras(engine: ReferenceEngine, opts: DemoOptions) -> dict[str, Any]:
+def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
+                summary: dict[str, Any] | None = None,
+                fault_start: int | None = None) -> dict[str, Any]:
+    """What only the demo knows: the fault, when it started acting, and how many requests
+    later each of the sidecar's signals fired (request indexes count completed requests)."""
     fault = engine.fault
+    s = summary or {}
+
+    def delay(key: str) -> int | None:
+        at = s.get(key)
+        return at - fault_start if at is not None and fault_start is not None else None
+
     return {
         "fault": opts.fault,
         "seed": opts.seed,
         "sample_every": opts.sample_every,
         "fault_injections": len(getattr(fault, "injections", ())),
         "rejected_requests": engine.stats.get("rejected", 0),
+        "fault_start_request": fault_start,
+        "detection_delay_requests": {
+            "invariant": delay("first_invariant_violation_request"),
+            "content": delay("first_content_anomaly_request"),
+            "leak": delay("first_leak_suspected_request"),
+        },
     }
 
 
@@ -150,17 +177,64 @@ def format_summary(s: dict[str, Any]) -> str:
         ("content anomalies", ", ".join(f"{k}={v}" for k, v in sorted(anomalies.items()))
          or "none"),
         ("content-anomaly rate", f"{s['anomaly_rate']:.2%}"),
-        ("first anomaly at request", str(s["first_content_anomaly_request"])),
         ("samples dropped", ", ".join(f"{k}={v:g}" for k, v in sorted(s["dropped"].items())
                                       if v) or "none"),
-        ("allocation failures", f"{s['allocation_failures']} of {s['allocations']}"),
-        ("usage / fragmentation", f"{s['usage_ratio']:.1%} / {s['fragmentation_ratio']:.1%}"),
+        *_allocator_rows(s),
         ("P99 request latency", f"{p99 * 1000:.1f} ms" if p99 is not None else "n/a"),
         ("max recompute error (tol)", f"{s['max_recompute_error']:.2g} "
                                       f"({s['tolerance']:.2g})"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    verdict = ("CAUGHT: the cache served wrong KV while the hit rate looked healthy"
-               if anomalies else "clean: every verified hit matched its recompute")
-    return "\n".join([*lines, "", verdict])
+    verdicts = []
+    if anomalies:
+        verdicts.append("CAUGHT: the cache served wrong KV while the hit rate looked healthy")
+    if s["invariant_violations"] or s["leak_suspected"]:
+        verdicts.append("CAUGHT: the block allocator broke its invariants"
+                        + (" and leaks blocks" if s["leak_suspected"] else ""))
+    if s["allocator_thresholds_exceeded"]:
+        verdicts.append("WARNING: allocator above its alert thresholds: "
+                        + ", ".join(s["allocator_thresholds_exceeded"]))
+    if not verdicts:
+        verdicts.append("clean: every verified hit matched its recompute, the allocator kept "
+                        "its invariants")
+    return "\n".join([*lines, "", *verdicts])
+
+
+def _allocator_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Allocator health rows: counts, invariants and leak, each with its delay after the
+    fault started."""
+    t = THRESHOLDS
+    delays = s.get("detection_delay_requests") or {}
+
+    def at(key: str, kind: str) -> str:
+        if s.get(key) is None:
+            return "never"
+        d = delays.get(kind)
+        return f"{s[key]}" + (f" ({d} requests after the fault started)" if d is not None
+                              else "")
+
+    def flag(value: float, limit: float) -> str:
+        return "   above threshold!" if value > limit else ""
+
+    violations = s["invariant_violations"]
+    leak = (f"yes: {s['leak_suspected_blocks']} blocks held by no live sequence"
+            if s["leak_suspected"] else "no")
+    return [
+        ("fault started at request", str(s.get("fault_start_request"))),
+        ("first anomaly at request", at("first_content_anomaly_request", "content")),
+        ("allocator invariant checks", str(s["invariant_checks"])),
+        ("invariant violations", ", ".join(f"{k}={v}" for k, v in sorted(violations.items()))
+         or "none"),
+        ("first violation at request", at("first_invariant_violation_request", "invariant")),
+        ("leak suspected", leak),
+        ("leak flagged at request", at("first_leak_suspected_request", "leak")),
+        ("allocation failures", f"{s['allocation_failures']} of {s['allocations']} "
+         f"({s['allocation_failure_rate']:.2%})"
+         + flag(s["allocation_failure_rate"], t.allocation_failure_rate)),
+        ("usage (now / peak)", f"{s['usage_ratio']:.1%} / {s['max_usage_ratio']:.1%}"
+         + flag(s["max_usage_ratio"], t.usage_ratio)),
+        ("fragmentation (now / peak)", f"{s['fragmentation_ratio']:.1%} / "
+         f"{s['max_fragmentation_ratio']:.1%}"
+         + flag(s["max_fragmentation_ratio"], t.fragmentation_ratio)),
+    ]

@@ -53,6 +53,12 @@ class EvidenceLog:
         }
         if self.include_tokens:
             rec["tokens"] = tokens
+        return self.add(rec)
+
+    def add(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Keep a record built elsewhere (allocator invariant violations carry no verdict):
+        numbered, bounded and written atomically like every other."""
+        rec.setdefault("time", time.time())
         with self._lock:
             self._seq += 1
             rec["seq"] = self._seq

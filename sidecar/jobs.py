@@ -1,5 +1,10 @@
 """Background jobs on an APScheduler BackgroundScheduler: allocator polling and heartbeat.
 
+The allocator poll (:meth:`sidecar.monitor.Monitor.poll_allocator`) publishes the allocator's
+counts and, where the adapter offers block tables, runs the invariant checks and the leak trend
+test (:mod:`sidecar.allocator`). This schedule is the floor; the Monitor also polls on events
+(a release, a finished request, an anomaly) through its own trigger thread.
+
 Jobs run on the scheduler's own threads, never the engine's; a job that raises is logged by
 the scheduler and tried again at its next run. ``coalesce`` and ``max_instances=1`` keep a slow
 adapter from stacking up overlapping polls.

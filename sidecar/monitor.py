@@ -12,6 +12,7 @@ Verdict into signals, evidence and sampler feedback.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -25,11 +26,22 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
+from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
 from sidecar.checks.keys import StoreRecord, token_digest
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
 from sidecar.metrics import Metrics, fragmentation_ratio, usage_ratio
-from sidecar.protocol import Adapter, AllocatorState, EngineInfo, Hit, Lookup, StoredBlock
+from sidecar.protocol import (
+    Adapter,
+    AllocatorIntrospection,
+    AllocatorState,
+    BlockTableSnapshot,
+    EngineInfo,
+    Hit,
+    Lookup,
+    SequenceId,
+    StoredBlock,
+)
 from sidecar.sampling import Sampler, UniformSampler
 from sidecar.signals import DropReason
 from sidecar.verifier import Sample, TokenBucket, Verdict, Verifier
@@ -52,6 +64,14 @@ class SidecarConfig:
     evidence_dir: str | None = None
     latency_window: int = 10_000  # recent request latencies kept for the P99 summary
     seed: int = 0
+    # Allocator health (sidecar/allocator). Besides the scheduled poll, a release or a
+    # finished request triggers an invariant check, at most once per this interval
+    # (0: after every event; < 0: scheduled polls only).
+    allocator_check_min_interval_s: float = 0.25
+    lifecycle_sample_rate: float = 0.01  # block lifecycle events logged outside bursts
+    lifecycle_window: int = 2048  # full-rate lifecycle events kept in memory for evidence
+    lifecycle_burst: int = 256  # events logged at full rate after an anomaly
+    leak_window: int = 8  # polls the leak trend test looks at
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
@@ -62,6 +82,11 @@ class SidecarConfig:
             raise ValueError(f"blocks_per_sample must be >= 1, got {self.blocks_per_sample}")
         if not self.adapter_timeout_s > 0:
             raise ValueError(f"adapter_timeout_s must be > 0, got {self.adapter_timeout_s}")
+        if not 0.0 <= self.lifecycle_sample_rate <= 1.0:
+            raise ValueError(f"lifecycle_sample_rate must be in [0, 1], got "
+                             f"{self.lifecycle_sample_rate}")
+        if self.leak_window < 2:
+            raise ValueError(f"leak_window must be >= 2, got {self.leak_window}")
 
 
 class Monitor:
@@ -96,6 +121,17 @@ class Monitor:
         self._init_series()
         self.first_anomaly_request: int | None = None
         self.max_recompute_error = 0.0
+        c = self.config
+        self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
+                                      burst=c.lifecycle_burst)
+        self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
+                                                LeakTrend(c.leak_window), self.info.engine,
+                                                self.info.model)
+        self._introspection = adapter if isinstance(adapter, AllocatorIntrospection) else None
+        self._poll_lock = threading.Lock()
+        self._trigger: PollTrigger | None = None
+        if c.allocator_check_min_interval_s >= 0:
+            self._trigger = PollTrigger(self.poll_allocator, c.allocator_check_min_interval_s)
 
     def _init_series(self) -> None:
         """Create every labelled series at 0, so rate() and dashboards see a clean zero
@@ -107,9 +143,11 @@ class Monitor:
                 m.inc(S.ANOMALIES, 0, group=g.label, kind=kind.value)
         for reason in DropReason:
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
-        for op in ("read", "recompute", "allocator"):
+        for op in ("read", "recompute", "allocator", "block_tables"):
             for why in ("error", "timeout"):
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
+        for name, value in dataclasses.asdict(S.THRESHOLDS).items():
+            m.gauge(S.THRESHOLD, threshold=name).set(value)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
@@ -122,6 +160,9 @@ class Monitor:
                 return
             m.inc(S.HITS)
             m.inc(S.HIT_TOKENS, lookup.hit_tokens)
+            for group_id, blocks in hit.blocks.items():
+                self.lifecycle.record(LifecycleOp.HIT, group_id, lookup.seq_id, blocks,
+                                      hit.generations.get(group_id, ()), lookup.hit_tokens)
             if self.sampler.should_sample(hit):
                 self._enqueue(hit)
         except Exception as exc:
@@ -145,6 +186,9 @@ class Monitor:
                 self._records.move_to_end(key)
                 while len(self._records) > self.config.store_records:
                     self._records.popitem(last=False)
+            self.lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
+                                  (block.block_id,), (block.generation,),
+                                  block.prefix_tokens + len(block.tokens))
         except Exception as exc:
             self._hook_failed("on_store", exc)
 
@@ -153,14 +197,36 @@ class Monitor:
             with self._records_lock:
                 for b in block_ids:
                     self._records.pop((group_id, int(b)), None)
+            self.lifecycle.record(LifecycleOp.EVICT, group_id, None, block_ids)
         except Exception as exc:
             self._hook_failed("on_free", exc)
+
+    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
+                    generations: Sequence[int]) -> None:
+        """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
+        try:
+            self.lifecycle.record(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
+                                  generations)
+        except Exception as exc:
+            self._hook_failed("on_allocate", exc)
+
+    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
+        """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
+        check, since a release is where premature and double frees happen."""
+        try:
+            self.lifecycle.record(LifecycleOp.FREE, group_id, seq_id, block_ids)
+            if self._trigger is not None:
+                self._trigger.nudge()
+        except Exception as exc:
+            self._hook_failed("on_release", exc)
 
     def on_request_done(self, latency_seconds: float) -> None:
         try:
             self.requests_done += 1
             self._latencies.append(latency_seconds)
             self.metrics.observe(S.REQUEST_LATENCY, latency_seconds)
+            if self._trigger is not None:
+                self._trigger.nudge()
         except Exception as exc:
             self._hook_failed("on_request_done", exc)
 
@@ -193,6 +259,8 @@ class Monitor:
 
     # ------------------------------------------------------------------ worker
     def start(self) -> Monitor:
+        if self._trigger is not None and self._introspection is not None:
+            self._trigger.start()
         if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="kvsidecar-verifier",
                                             daemon=True)
@@ -252,7 +320,11 @@ class Monitor:
         if verdict.findings:
             if self.first_anomaly_request is None:
                 self.first_anomaly_request = self.requests_done
-            rec = self.evidence.record(verdict, self.info.engine, self.info.model)
+            rec = self.evidence.record(verdict, self.info.engine, self.info.model,
+                                       self.allocator_health.anomaly_context(
+                                           verdict.sample.refs))
+            if self._trigger is not None:
+                self._trigger.nudge()
             # The first few in full, then one line in a hundred: a broken cache must not
             # turn the log into a flood (the counters and the evidence keep every one).
             if rec["seq"] <= 5 or rec["seq"] % 100 == 0:
@@ -277,6 +349,8 @@ class Monitor:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the worker; samples still queued are dropped and counted."""
+        if self._trigger is not None:
+            self._trigger.stop(timeout_s)
         if self._worker is None:
             return
         while True:
@@ -293,17 +367,35 @@ class Monitor:
 
     # ------------------------------------------------------------------ allocator
     def poll_allocator(self) -> AllocatorState | None:
-        """Ask the adapter for allocator state (time-limited) and publish it."""
+        """Ask the adapter for allocator state and, where it offers them, its block tables
+        (each call time-limited); publish the state, check the allocator's invariants and
+        the leak trend (:mod:`sidecar.allocator`). Polls from the schedule, the event
+        trigger and callers are serialised."""
+        with self._poll_lock:
+            state = self._adapter_call("allocator", self.adapter.allocator)
+            if state is not None:
+                self.metrics.allocator.update(state)
+            tables: Sequence[BlockTableSnapshot] | None = None
+            started = time.perf_counter()
+            if self._introspection is not None:
+                tables = self._adapter_call("block_tables", self._introspection.block_tables)
+            try:
+                # requests_done read after the snapshot: the index is never earlier than
+                # the state it describes.
+                self.allocator_health.observe(state, tables, self.requests_done,
+                                              time.perf_counter() - started)
+            except Exception:
+                log.exception("allocator health check failed (poll skipped)")
+            return state
+
+    def _adapter_call(self, op: str, fn: Any) -> Any:
         try:
-            state = self.guard.call("allocator", self.adapter.allocator)
+            return self.guard.call(op, fn)
         except Exception as exc:
             reason = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self.metrics.inc(S.ADAPTER_ERRORS, op="allocator", reason=reason)
-            log.warning("adapter allocator() failed: %s", exc)
+            self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
+            log.warning("adapter %s() failed: %s", op, exc)
             return None
-        if state is not None:
-            self.metrics.allocator.update(state)
-        return state
 
     # ------------------------------------------------------------------ summaries
     def p99_latency(self) -> float | None:
@@ -346,4 +438,5 @@ class Monitor:
             "max_recompute_error": self.max_recompute_error,
             "tolerance": self.verifier.tolerance,
             "first_content_anomaly_request": self.first_anomaly_request,
+            **self.allocator_health.summary(state),
         }

@@ -11,6 +11,12 @@ The core never imports an engine. An engine (or an adapter wrapping it) does two
   (``read``), what KV a from-scratch computation gives for the same blocks (``recompute``),
   and the allocator's state (``allocator``).
 
+Two optional capabilities extend this, for allocator health (:mod:`sidecar.allocator`): an
+adapter may also be an :class:`AllocatorIntrospection` (block-level snapshots of its pool,
+:class:`BlockTableSnapshot`, on which the sidecar checks the allocator's invariants), and an
+engine may also send the :class:`BlockLifecycleSink` events ``on_allocate``/``on_release``
+(the block lifecycle log). Engines that offer neither still get every other signal.
+
 Cache groups are in the protocol from the start: a plain model has one full-attention group,
 a hybrid model (sliding window + full, recurrent state, offloaded tier...) has several, and a
 hit names its blocks per group. Nothing here depends on torch except the tensor type of
@@ -20,7 +26,7 @@ hit names its blocks per group. Nothing here depends on torch except the tensor 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -81,6 +87,11 @@ class EngineInfo:
         raise KeyError(f"engine {self.engine!r} has no cache group {group_id}")
 
 
+# A live sequence (request) as the engine names it: an int in the reference engine, a
+# request-id string in vLLM. Only used in logs and evidence, never in a metric label.
+SequenceId = int | str
+
+
 @dataclass(frozen=True)
 class Lookup:
     """One prefix-cache lookup: how many prompt tokens were asked for, how many were found.
@@ -92,6 +103,7 @@ class Lookup:
     query_tokens: int
     hit_tokens: int
     hit: Hit | None = None
+    seq_id: SequenceId | None = None  # the looking-up sequence, for the block lifecycle log
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,7 @@ class StoredBlock:
     key_fields: Mapping[str, str] = field(default_factory=dict)
     parent_block_id: int | None = None
     kv_digest: str | None = None
+    seq_id: SequenceId | None = None  # the sequence that wrote it, for the lifecycle log
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,50 @@ class AllocatorState:
     allocation_failures: int
     allocated_slots: int = 0  # token slots in blocks held by live sequences
     filled_slots: int = 0  # of those, slots holding a token
+    # For the leak trend test (sidecar.allocator.leak), where the engine knows them:
+    live_sequences: int | None = None  # sequences holding blocks now
+    held_blocks: int | None = None  # distinct blocks named by live sequences' block tables
+
+
+@dataclass(frozen=True)
+class BlockTableSnapshot:
+    """One cache group's block pool as its allocator keeps it, taken at one instant (under
+    the engine's lock), for the sidecar's allocator invariant checks
+    (:mod:`sidecar.allocator.invariants`).
+
+    Generic on purpose: a paged allocator keeps exactly these facts (vLLM's ``BlockPool``:
+    ``free_block_queue``, ``KVCacheBlock.ref_cnt`` and ``block_hash``,
+    ``cached_block_hash_to_block``; its ``KVCacheManager``: each request's block list).
+    The sidecar never trusts the engine's own verdict on them; it recomputes who holds
+    what from the live sequences' block tables and compares.
+
+    * ``free``: ids on the free list (unreferenced, not indexed), in allocation order. An
+      id listed twice there is a double free.
+    * ``cached``: ids unreferenced but still indexed (evictable), in eviction order. An
+      engine with one queue for both (vLLM) splits it by whether the block has a hash.
+    * ``ref_counts``, ``block_hashes``, ``generations``: per block id. ``block_hashes[b]``
+      is the hash block ``b``'s current content was indexed under (``None`` when it is not
+      a cached full block); ``generations`` may be empty where the engine has none.
+    * ``index``: the prefix hash map as ``(hash, block id)`` entries (a hash may name several
+      blocks where the engine keeps duplicates).
+    * ``sequences``: each live sequence's block table in this group, in order; a block listed
+      twice is held twice. These are the *holders* the invariants count.
+    * ``double_frees``: releases the engine itself refused or detected as double frees,
+      total since start (0 where it does not count them).
+    * ``reserved``: ids kept out of circulation (vLLM's null block), skipped by the checks.
+    """
+
+    group_id: int
+    num_blocks: int
+    free: tuple[int, ...]
+    cached: tuple[int, ...]
+    ref_counts: tuple[int, ...]
+    block_hashes: tuple[Hashable | None, ...]
+    index: tuple[tuple[Hashable, int], ...]
+    sequences: Mapping[SequenceId, tuple[int, ...]]
+    generations: tuple[int, ...] = ()
+    double_frees: int = 0
+    reserved: tuple[int, ...] = ()
 
 
 class AdapterError(RuntimeError):
@@ -210,6 +267,19 @@ class Adapter(Protocol):
         ...
 
 
+@runtime_checkable
+class AllocatorIntrospection(Protocol):
+    """Optional adapter capability: the allocator's block-level state, so the sidecar can
+    check its invariants (a free block still indexed, a ref count below its holders, a
+    leak, a double free). Checked with ``isinstance``; an adapter without it still gets
+    the count-level allocator signals from ``Adapter.allocator()``. Called off the
+    engine's hot path, under the adapter time limit."""
+
+    def block_tables(self) -> Sequence[BlockTableSnapshot]:
+        """One snapshot per cache group with a block pool, each taken atomically."""
+        ...
+
+
 class EventSink(Protocol):
     """What engines call. Implementations must be O(1) and must never raise."""
 
@@ -220,3 +290,20 @@ class EventSink(Protocol):
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None: ...
 
     def on_request_done(self, latency_seconds: float) -> None: ...
+
+
+class BlockLifecycleSink(Protocol):
+    """Optional events an engine may send besides :class:`EventSink`'s, for the sidecar's
+    block lifecycle log (allocate / store / hit / free / evict). An engine calls them only
+    where its sink has them (``getattr(sink, "on_allocate", None)``); like every hook they
+    must be O(1) per block and never raise. ``on_store`` (store), ``on_lookup`` (hit) and
+    ``on_free`` (evict: blocks that left the index) complete the lifecycle."""
+
+    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
+                    generations: Sequence[int]) -> None:
+        """Fresh blocks handed to ``seq_id``, with their new generations."""
+        ...
+
+    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
+        """``seq_id`` dropped its references to ``block_ids`` (its blocks were freed)."""
+        ...

@@ -4,12 +4,27 @@ A sampler decides on the engine's hot path, so ``should_sample`` is O(1) and all
 Block choice runs only for sampled hits: it always includes the last full block of the hit
 (boundary bugs live there: seed 001 §3.3) and fills the rest of the per-sample block budget
 with earlier blocks picked by a seeded RNG, so runs are reproducible.
+
+Three policies, all with the same long-run budget of one hit in ``every``:
+
+* :class:`UniformSampler`: exactly one hit in every N;
+* :class:`BoundaryBiasedSampler`: favours hits that end on a block boundary where boundary
+  bugs bite (see :func:`at_boundary`);
+* :class:`AdaptiveSampler`: after an anomaly, favours hits of the same cache groups and
+  length class for a while (corruption clusters: one bad shared block spoils every hit
+  through it).
+
+The two weighted policies spend the same credit as the uniform one (one sample per
+``every`` hits) but let a favoured hit take its sample early, so favouring some hits takes
+samples from the others instead of adding to the budget (:class:`WeightedSampler`).
+``kv-sidecar bench detection`` compares them at equal budget.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Hashable
 from typing import Protocol
 
 from sidecar.protocol import BlockRef, Hit
@@ -28,10 +43,11 @@ class Sampler(Protocol):
 class UniformSampler:
     """Exactly one hit in every ``every``, from a seeded random phase."""
 
-    def __init__(self, every: int, seed: int = 0) -> None:
+    def __init__(self, every: int, seed: int = 0, last_block: bool = True) -> None:
         if every < 1:
             raise ValueError(f"sample-every must be >= 1, got {every}")
         self.every = every
+        self.last_block = last_block  # False: blocks uniformly at random (a baseline only)
         self._rng = random.Random(seed)
         self._countdown = self._rng.randrange(every) + 1
         self._lock = threading.Lock()
@@ -45,25 +61,128 @@ class UniformSampler:
             return True
 
     def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
+        return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block)
+
+    def feedback(self, hit: Hit, anomalous: bool) -> None:
+        return None
+
+
+class WeightedSampler:
+    """One hit in ``every``, exactly in the long run, with favoured hits sampled early.
+
+    A credit grows by one per hit up to ``every``; a sample costs ``every``. An ordinary hit
+    (weight 1) is sampled once the credit is full, as :class:`UniformSampler` does; a hit
+    of weight ``w`` may take the sample as soon as the credit reaches ``every / w``. The
+    credit then goes negative and the next samples wait for it to refill, so favouring some
+    hits takes samples from the others and never adds to the budget: over ``n`` hits there
+    are at most ``n / every + 2`` samples. Deterministic under a seed.
+    """
+
+    def __init__(self, every: int, seed: int = 0) -> None:
+        if every < 1:
+            raise ValueError(f"sample-every must be >= 1, got {every}")
+        self.every = every
+        self._rng = random.Random(seed)
+        self._credit = self._rng.random() * every  # random phase, as UniformSampler
+        self._lock = threading.Lock()
+
+    def weight(self, hit: Hit) -> float:
+        """How much sooner than an ordinary hit this one may be checked (>= 1)."""
+        return 1.0
+
+    def should_sample(self, hit: Hit) -> bool:
+        with self._lock:  # weight() may update policy state; feedback() takes the lock too
+            w = max(self.weight(hit), 1.0)
+            self._credit = min(self._credit + 1.0, float(self.every))
+            if self._credit < self.every / w:
+                return False
+            self._credit -= self.every
+            return True
+
+    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
         return choose_blocks(hit, block_size, max_blocks, self._rng)
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
 
 
+def at_boundary(hit: Hit, block_size: int) -> bool:
+    """Whether the lookup sits on a block boundary, where release and reuse off-by-ones act:
+    the prompt is an exact multiple of the block size, or the hit runs up to the last full
+    block the prompt could reuse (the cached prefix ends where its writer's KV ended)."""
+    n = len(hit.tokens)
+    return n % block_size == 0 or hit.hit_tokens == (n - 1) // block_size * block_size
+
+
+class BoundaryBiasedSampler(WeightedSampler):
+    """Boundary-biased: hits at a block boundary (:func:`at_boundary`) weigh ``boost``
+    times an ordinary hit; the last full block of every sampled hit is always checked."""
+
+    def __init__(self, every: int, block_size: int, seed: int = 0, boost: float = 8.0) -> None:
+        super().__init__(every, seed)
+        if block_size < 1 or boost < 1:
+            raise ValueError("block_size must be >= 1 and boost >= 1")
+        self.block_size = block_size
+        self.boost = boost
+
+    def weight(self, hit: Hit) -> float:
+        return self.boost if at_boundary(hit, self.block_size) else 1.0
+
+
+def length_class(hit: Hit) -> Hashable:
+    """The cache groups of a hit and its length in blocks, rounded to a power of two: hits
+    through the same corrupted shared block fall in one class."""
+    sizes = [len(ids) for _, ids in sorted(hit.blocks.items())]
+    return tuple(sorted(hit.blocks)), max(sizes, default=0).bit_length()
+
+
+class AdaptiveSampler(WeightedSampler):
+    """Adaptive: after an anomalous verdict, hits of the same :func:`length_class` weigh
+    ``boost`` times an ordinary hit for the next ``window`` hits of that class."""
+
+    def __init__(self, every: int, seed: int = 0, boost: float = 8.0,
+                 window: int | None = None) -> None:
+        super().__init__(every, seed)
+        if boost < 1:
+            raise ValueError(f"boost must be >= 1, got {boost}")
+        self.boost = boost
+        self.window = window if window is not None else 4 * every
+        self._hot: dict[Hashable, int] = {}  # class -> hits left in its boosted window
+
+    def weight(self, hit: Hit) -> float:
+        key = length_class(hit)
+        left = self._hot.get(key)
+        if left is None:
+            return 1.0
+        if left <= 1:
+            self._hot.pop(key, None)
+        else:
+            self._hot[key] = left - 1
+        return self.boost
+
+    def feedback(self, hit: Hit, anomalous: bool) -> None:
+        if anomalous:
+            with self._lock:
+                self._hot[length_class(hit)] = self.window
+
+
 def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
-                  rng: random.Random) -> list[BlockRef]:
+                  rng: random.Random, last_block: bool = True) -> list[BlockRef]:
     """The last full block of the hit in every group, plus up to ``max_blocks - 1`` earlier
     blocks chosen at random (the same indices across groups, so a hybrid hit is checked
-    group by group at the same positions)."""
+    group by group at the same positions). ``last_block=False`` picks every block at random
+    (a baseline for the benchmark, not a production policy)."""
     n_full = hit.hit_tokens // block_size
     if n_full <= 0 or max_blocks <= 0:
         return []
-    indices = {n_full - 1}
-    earlier = list(range(n_full - 1))
-    extra = min(max_blocks - 1, len(earlier))
-    if extra > 0:
-        indices.update(rng.sample(earlier, extra))
+    if last_block:
+        indices = {n_full - 1}
+        earlier = list(range(n_full - 1))
+        extra = min(max_blocks - 1, len(earlier))
+        if extra > 0:
+            indices.update(rng.sample(earlier, extra))
+    else:
+        indices = set(rng.sample(range(n_full), min(max_blocks, n_full)))
     refs: list[BlockRef] = []
     for group_id, block_ids in sorted(hit.blocks.items()):
         for i in sorted(indices):

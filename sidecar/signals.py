@@ -46,6 +46,7 @@ class Signal:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 VERIFY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+CHECK_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 def _s(name: str, type_: MetricType, help_: str, labels: tuple[str, ...] = (),
@@ -99,13 +100,29 @@ INVARIANT_VIOLATIONS = _s("invariant_violations_total", C,
                           "Allocator invariants found broken (a free block still indexed, "
                           "a ref count below its holders, ...), by kind.", ("kind",))
 LEAK_SUSPECTED = _s("leak_suspected_blocks", G,
-                    "Blocks the allocator counts as held that no live sequence holds.")
+                    "Block references the allocator counts that no live sequence holds "
+                    "(ref count minus live holders, summed over blocks): what a leak grows.")
+# --- allocator health (sidecar/allocator): invariant checks, leak trend, thresholds.
+LEAK_SUSPECTED_FLAG = _s("leak_suspected", G,
+                         "1 while the leak trend test holds: references held by no live "
+                         "sequence were positive and never fell over the last leak_window "
+                         "polls, and grew.")
+INVARIANT_CHECKS = _s("invariant_checks_total", C,
+                      "Allocator block-table snapshots checked for invariant violations "
+                      "(silence is not health: a flat line means no checks ran).")
+INVARIANT_CHECK_DURATION = _s("invariant_check_duration_seconds", H,
+                              "Time to take and check one allocator block-table snapshot.",
+                              unit="seconds", buckets=CHECK_BUCKETS)
+THRESHOLD = _s("threshold", G,
+               "Alerting thresholds (seed 001 section 5.4; signals.THRESHOLDS), by name, "
+               "for alert rules and dashboard threshold lines.", ("threshold",))
 
 ALL_SIGNALS: tuple[Signal, ...] = (
     LOOKUPS, HITS, QUERY_TOKENS, HIT_TOKENS, SAMPLED, VERIFIED, ANOMALIES, SAMPLES_DROPPED,
     ADAPTER_ERRORS, HOOK_ERRORS, ALLOCATIONS, ALLOCATION_FAILURES, USAGE_RATIO,
     FRAGMENTATION_RATIO, INTERNAL_FRAGMENTATION_RATIO, BLOCKS, REQUEST_LATENCY,
     VERIFY_DURATION, LAST_VERIFICATION, BUILD_INFO, INVARIANT_VIOLATIONS, LEAK_SUSPECTED,
+    LEAK_SUSPECTED_FLAG, INVARIANT_CHECKS, INVARIANT_CHECK_DURATION, THRESHOLD,
 )
 
 # --- vLLM adapter (sidecar/adapters/vllm): KV event-stream audit and engine-metrics bridge.
@@ -172,6 +189,19 @@ class AnomalyKind(enum.StrEnum):
     KEY_FIELDS_MISMATCH = "key_fields_mismatch"  # key fields at hit differ from store
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # KV bytes changed since the write
     RECOMPUTE_MISMATCH = "recompute_mismatch"  # cached KV differs from recompute
+
+
+class InvariantKind(enum.StrEnum):
+    """The value of the ``kind`` label of :data:`INVARIANT_VIOLATIONS`: which allocator
+    invariant broke (:mod:`sidecar.allocator.invariants` defines each precisely)."""
+
+    FREE_WHILE_HELD = "free_while_held"  # on a free/evictable list, yet referenced or held
+    FREE_WHILE_INDEXED = "free_while_indexed"  # on the free list, the hash map still names it
+    STALE_INDEX = "stale_index"  # a hash-map entry names a block now holding other content
+    REF_COUNT_BELOW_HOLDERS = "ref_count_below_holders"  # premature free / lost reference
+    LEAKED_REFERENCE = "leaked_reference"  # a reference no live sequence holds (leak)
+    DOUBLE_FREE = "double_free"  # freed twice: listed twice, ref count < 0, engine-counted
+    BLOCK_COUNT_MISMATCH = "block_count_mismatch"  # counts or lists that do not add up
 
 
 class DropReason(enum.StrEnum):

@@ -16,15 +16,18 @@ from sidecar.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
+    BlockTableSnapshot,
     CacheGroup,
     EngineInfo,
     GroupKind,
     Hit,
+    SequenceId,
 )
 
 
 class ReferenceAdapter:
-    """Implements :class:`sidecar.protocol.Adapter` for a :class:`ReferenceEngine`."""
+    """Implements :class:`sidecar.protocol.Adapter` and
+    :class:`sidecar.protocol.AllocatorIntrospection` for a :class:`ReferenceEngine`."""
 
     def __init__(self, engine: ReferenceEngine) -> None:
         self.engine = engine
@@ -40,6 +43,7 @@ class ReferenceAdapter:
             groups=(CacheGroup(GROUP_ID, GroupKind.FULL_ATTENTION,
                                tuple(range(mc.num_layers)), name="full"),),
             key_fields=KEY_FIELD_NAMES,
+            kv_storage=engine.config.kv_storage,  # int8 storage widens the tolerance
         )
 
     def describe(self) -> EngineInfo:
@@ -95,6 +99,7 @@ class ReferenceAdapter:
         pool = engine.pool
         with engine.lock:
             allocated, filled = engine.slot_usage()
+            tables = engine.live_block_tables()
             return AllocatorState(
                 total_blocks=pool.num_blocks,
                 free_blocks=pool.num_free,
@@ -105,4 +110,30 @@ class ReferenceAdapter:
                 allocation_failures=pool.allocation_failures,
                 allocated_slots=allocated,
                 filled_slots=filled,
+                live_sequences=len(tables),
+                held_blocks=len({b for t in tables.values() for b in t}),
             )
+
+    def block_tables(self) -> tuple[BlockTableSnapshot, ...]:
+        """The pool's lists, per-block ref counts, hashes and generations, the hash map and
+        the live block tables, copied in one hold of the engine's lock (so the snapshot is
+        consistent; the checks run on it afterwards, off the lock)."""
+        engine = self.engine
+        pool = engine.pool
+        with engine.lock:
+            free, cached, index = pool.lists()
+            metas = pool.blocks
+            sequences: dict[SequenceId, tuple[int, ...]] = {
+                seq: table for seq, table in engine.live_block_tables().items()}
+            return (BlockTableSnapshot(
+                group_id=GROUP_ID,
+                num_blocks=pool.num_blocks,
+                free=free,
+                cached=cached,
+                ref_counts=tuple([m.ref_count for m in metas]),
+                block_hashes=tuple([m.block_hash for m in metas]),
+                index=index,
+                sequences=sequences,
+                generations=tuple([m.generation for m in metas]),
+                double_frees=pool.release_errors,
+            ),)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,8 @@ import torch
 from sidecar.engines.reference.faults import Fault, make_fault
 from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
 from sidecar.engines.reference.pool import BlockHash, BlockPool, KeyFields, chain_hash
+from sidecar.engines.reference.tier import CpuTier, TierEntry
+from sidecar.engines.reference.truth import GroundTruth
 from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock
 
 GROUP_ID = 0
@@ -60,6 +62,15 @@ class EngineConfig:
     fault_start_after: int | None = None  # None: the fault's own default
     fault_probability: float | None = None  # None: the fault's own default
     fault_params: dict[str, Any] = field(default_factory=dict)  # fault-specific knobs
+    # Lossy KV storage ("int8": quantised values + per-row scales, see quant.py); None
+    # stores KV in the model dtype.
+    kv_storage: str | None = None
+    # Blocks the CPU offload tier holds (0 = no tier): evicted cached blocks spill there and
+    # a later lookup loads them back as hits (tier.py).
+    cpu_offload_blocks: int = 0
+    # Keep the ground truth of which blocks hold wrong KV (truth.py): for the detection
+    # benchmark; costs a shadow copy of the pool.
+    track_truth: bool = False
     # Intra-op threads for torch (process-wide). The model's matmuls are tiny: extra threads
     # buy nothing and, when the cores are shared (the sidecar's recompute, other processes),
     # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
@@ -120,6 +131,16 @@ class RunningSequence:
         return len(self.request.tokens)
 
 
+def _with_fault_needs(config: EngineConfig, fault: Fault) -> EngineConfig:
+    """A fault that needs a CPU tier or quantised storage (``Fault.engine_needs``) turns
+    it on where the config left that setting at its default: ``--fault failed-load-as-hit``
+    alone must give a fault that can act."""
+    default = EngineConfig()
+    changes = {k: v for k, v in fault.engine_needs.items()
+               if getattr(config, k) == getattr(default, k)}
+    return replace(config, **changes) if changes else config
+
+
 class ReferenceEngine:
     """Paged prefix-caching engine over :class:`TinyLlama` with optional fault injection.
 
@@ -129,18 +150,24 @@ class ReferenceEngine:
 
     def __init__(self, config: EngineConfig | None = None, sink: EventSink | None = None,
                  fault: Fault | None = None, digest: DigestFn | None = None) -> None:
-        self.config = config or EngineConfig()
-        c = self.config
+        c = config or EngineConfig()
+        self.fault = fault or make_fault(c.fault, seed=c.fault_seed,
+                                         start_after=c.fault_start_after,
+                                         probability=c.fault_probability, **c.fault_params)
+        self.config = c = _with_fault_needs(c, self.fault)
         self.sink = sink
         if c.torch_threads is not None:
             torch.set_num_threads(c.torch_threads)
         self.model = TinyLlama(c.model)
         self.block_size = c.block_size
         self.pool = BlockPool(c.num_blocks, c.block_size, c.model.num_layers,
-                              c.model.num_kv_heads, c.model.head_dim, c.model.torch_dtype)
-        self.fault = fault or make_fault(c.fault, seed=c.fault_seed,
-                                         start_after=c.fault_start_after,
-                                         probability=c.fault_probability, **c.fault_params)
+                              c.model.num_kv_heads, c.model.head_dim, c.model.torch_dtype,
+                              kv_storage=c.kv_storage)
+        self.tier = CpuTier(c.cpu_offload_blocks) if c.cpu_offload_blocks > 0 else None
+        self._digests: dict[int, str | None] = {}  # write-time digests, kept for the tier
+        if self.tier is not None:
+            self.pool.on_evict = self._spill
+        self.truth = GroundTruth(self.pool, KEY_FIELD_NAMES) if c.track_truth else None
         if digest is None and c.kv_digest:
             from sidecar.checks.fingerprint import kv_digest
             digest = kv_digest
@@ -175,6 +202,12 @@ class ReferenceEngine:
     def live_sequences(self) -> tuple[int, ...]:
         """Holder ids of the live sequences (for the pool's leak invariant)."""
         return tuple(s.seq_id for s in self._running)
+
+    def live_block_tables(self) -> dict[int, tuple[int, ...]]:
+        """Each live sequence's block table (group 0): the holders the sidecar's allocator
+        invariants count (sidecar.adapters.reference)."""
+        with self.lock:
+            return {s.seq_id: tuple(s.blocks) for s in self._running}
 
     def slot_usage(self) -> tuple[int, int]:
         """(token slots in blocks held by live sequences, slots holding KV): what internal
@@ -268,24 +301,39 @@ class ReferenceEngine:
         key_fields = self.key_fields(request)
         hashes: list[BlockHash] = []
         self._chain(index, prompt, key_fields, (len(prompt) - 1) // bs, hashes)
+        loaded: list[tuple[int, TierEntry]] = []
         with self.lock:
             hit_ids = self.pool.lookup(hashes)
+            offloaded = self.tier.match(hashes[len(hit_ids):]) if self.tier else []
             self.fault.before_allocate(self, index)
             alloc = self.pool.allocate(needed - len(hit_ids), holder=index, reserve=hit_ids)
             if alloc.ok:
+                if self.truth is not None:
+                    self.truth.allocated(index, alloc.block_ids)
+                loaded = self._load(index, offloaded, alloc.block_ids)
+                hit_ids = [*hit_ids, *(b for b, _ in loaded)]
                 generations = [self.pool.blocks[b].generation for b in hit_ids]
                 seq = RunningSequence(index, request, key_fields, prompt,
-                                      {GROUP_ID: [*hit_ids, *alloc.block_ids]},
+                                      {GROUP_ID: [*hit_ids, *alloc.block_ids[len(loaded):]]},
                                       hashes[:len(hit_ids)], submitted,
                                       hit_tokens=len(hit_ids) * bs,
                                       num_cached_blocks=len(hit_ids))
                 self._running.append(seq)
                 self.fault.on_hit(self, seq, hit_ids)
-                self.fault.on_allocate(self, seq, alloc.block_ids)
+                self.fault.on_allocate(self, seq, alloc.block_ids[len(loaded):])
         if alloc.evicted:
             self._emit("on_free", GROUP_ID, alloc.evicted)
         if not alloc.ok:
             return None
+        self._emit("on_allocate", GROUP_ID, index, alloc.block_ids,
+                   tuple(self.pool.blocks[b].generation for b in alloc.block_ids))
+        for b, entry in loaded:  # reported like any stored block, with its original digest
+            i = entry.prefix_tokens // bs
+            self._emit("on_store", StoredBlock(
+                group_id=GROUP_ID, block_id=b, generation=generations[i], tokens=entry.tokens,
+                prefix_tokens=entry.prefix_tokens, key_fields=dict(entry.key_fields),
+                parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=entry.kv_digest,
+                seq_id=index))
         self.stats["admitted"] += 1
         self.stats["query_tokens"] += len(prompt)
         self.stats["hit_tokens"] += seq.hit_tokens
@@ -295,7 +343,7 @@ class ReferenceEngine:
                       blocks={GROUP_ID: tuple(hit_ids)},
                       generations={GROUP_ID: tuple(generations)},
                       key_fields=dict(key_fields))
-        self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit))
+        self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit, seq_id=index))
         return seq
 
     def _prefill(self, seq: RunningSequence) -> None:
@@ -321,12 +369,21 @@ class ReferenceEngine:
 
     def _finish(self, seq: RunningSequence) -> Result:
         with self.lock:
+            # References held before the release, to report the blocks it really freed
+            # (a leaking release frees none).
+            held = {b: self.pool.blocks[b].holders[seq.seq_id] for b in seq.blocks}
             left_index = self.fault.release(self, seq)
             if left_index is None:
                 self.pool.release(seq.blocks, seq.seq_id)
                 left_index = []
+            released = tuple(b for b, n in held.items()
+                             if self.pool.blocks[b].holders[seq.seq_id] < n)
             self._running.remove(seq)
             self._head_blocked = False
+            if self.truth is not None:
+                self.truth.finished(seq.seq_id)
+        if released:
+            self._emit("on_release", GROUP_ID, seq.seq_id, released)
         if left_index:
             self._emit("on_free", GROUP_ID, tuple(left_index))
         latency = time.perf_counter() - seq.submitted
@@ -343,6 +400,8 @@ class ReferenceEngine:
     # ------------------------------------------------------------------ KV movement
     def _gather(self, seq: RunningSequence, num_tokens: int) -> SequenceKV:
         with self.lock:
+            if self.truth is not None:
+                self.truth.gathered(seq, num_tokens)
             keys, values = self.pool.gather(seq.blocks, num_tokens)
         return SequenceKV(keys, values)
 
@@ -350,6 +409,8 @@ class ReferenceEngine:
         with self.lock:
             self.pool.write(seq.blocks, start, kv.keys, kv.values,
                             skip=frozenset(seq.skip_write))
+            if self.truth is not None:
+                self.truth.written(seq, start, kv.keys, kv.values)
 
     def _store_full_blocks(self, seq: RunningSequence) -> None:
         """Hash, index and report every block that became full since the last call."""
@@ -363,25 +424,63 @@ class ReferenceEngine:
             b = seq.blocks[i]
             tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
             with self.lock:
+                self.fault.on_block_full(self, seq, b)
+                if self.truth is not None:
+                    self.truth.filled(seq, i, b)
                 if not self.pool.cache(b, seq.block_hashes[i], tokens, seq.key_fields, i * bs):
                     continue  # same hash already indexed: this copy stays private
                 generation = self.pool.blocks[b].generation
                 digest = self._digest(*self.pool.read_block(b)) if self._digest else None
+                if self.tier is not None:
+                    self._digests[b] = digest
             self._emit("on_store", StoredBlock(
                 group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
                 prefix_tokens=i * bs, key_fields=key_dict,
-                parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest))
+                parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest,
+                seq_id=seq.seq_id))
             with self.lock:
                 self.fault.on_block_stored(self, seq, b)
         seq.num_cached_blocks = full
 
+    # ------------------------------------------------------------------ CPU offload tier
+    def _spill(self, block_id: int) -> None:
+        """Pool eviction hook: copy the cached block out to the tier (under the lock)."""
+        meta = self.pool.blocks[block_id]
+        if self.tier is None or meta.block_hash is None:
+            return
+        extra = self.truth.spill(block_id) if self.truth is not None else None
+        self.tier.put(TierEntry(meta.block_hash, self.pool.export_block(block_id),
+                                meta.tokens, meta.key_fields, meta.prefix_tokens,
+                                self._digests.pop(block_id, None), extra))
+
+    def _load(self, seq_id: int, entries: Sequence[TierEntry],
+              fresh: Sequence[int]) -> list[tuple[int, TierEntry]]:
+        """Load offloaded blocks into the first fresh blocks and index them again. A load the
+        fault fails leaves the destination as it was, and is reported loaded all the same."""
+        loaded: list[tuple[int, TierEntry]] = []
+        for entry, b in zip(entries, fresh, strict=False):
+            if not self.pool.cache(b, entry.block_hash, entry.tokens, entry.key_fields,
+                                   entry.prefix_tokens):
+                break
+            if not self.fault.load_fails(self, seq_id, b):
+                self.pool.import_block(b, entry.data)
+            if self.truth is not None:
+                self.truth.loaded(b, entry.extra)
+            self._digests[b] = entry.kv_digest
+            loaded.append((b, entry))
+        if self.tier is not None:
+            self.tier.loads += len(loaded)
+        return loaded
+
     # ------------------------------------------------------------------ observability
     def _emit(self, hook: str, *args: Any) -> None:
-        """Call the sink; whatever it raises is counted and swallowed."""
-        if self.sink is None:
+        """Call the sink; whatever it raises is counted and swallowed. Optional hooks
+        (on_allocate, on_release) are skipped where the sink has none."""
+        fn = getattr(self.sink, hook, None) if self.sink is not None else None
+        if fn is None:
             return
         try:
-            getattr(self.sink, hook)(*args)
+            fn(*args)
         except Exception:
             self.sink_errors[hook] += 1
 

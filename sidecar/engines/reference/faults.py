@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from sidecar.engines.reference.model import derive_seed
-from sidecar.engines.reference.pool import BlockHash, KeyFields, chain_hash
+from sidecar.engines.reference.pool import BlockData, BlockHash, KeyFields, chain_hash
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -52,6 +52,9 @@ class Fault:
     corrupts_kv: ClassVar[bool] = False
     default_probability: ClassVar[float] = 1.0
     default_start_after: ClassVar[int] = 20
+    # Engine settings the fault needs to act at all (a CPU tier, quantised storage); the
+    # engine turns them on where its config left them at their defaults.
+    engine_needs: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, seed: int = 0, start_after: int | None = None,
                  probability: float | None = None) -> None:
@@ -90,9 +93,20 @@ class Fault:
                     block_ids: Sequence[int]) -> None:
         """After fresh blocks were allocated for ``seq`` (before anything is written)."""
 
+    def on_block_full(self, engine: ReferenceEngine, seq: RunningSequence,
+                      block_id: int) -> None:
+        """A block of ``seq`` became full, before it is indexed, digested and reported:
+        write-path bugs act here (the write-time digest then certifies the wrong bytes, as
+        a real engine's would)."""
+
     def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
                         block_id: int) -> None:
         """After a full block was indexed and reported (its write-time digest taken)."""
+
+    def load_fails(self, engine: ReferenceEngine, request_index: int, block_id: int) -> bool:
+        """Whether the CPU-tier load into ``block_id`` silently fails (the engine reports it
+        loaded, indexes it and serves it as a hit either way)."""
+        return False
 
     def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
         """Release ``seq``'s blocks instead of the engine; ``None`` = the clean release.
@@ -153,7 +167,8 @@ class BitFlip(Fault):
         mask = 1 << bit
         if mask >= 1 << (bits - 1):  # as a signed integer of the element's width
             mask -= 1 << bits
-        as_int = element.view({2: torch.int16, 4: torch.int32}[element.element_size()])
+        as_int = element.view({1: torch.int8, 2: torch.int16,
+                               4: torch.int32}[element.element_size()])
         as_int ^= mask  # in place: the view shares the pool's storage
         self.record(seq.seq_id, block_id, f"bit {bit} flipped at {where}")
 
@@ -307,11 +322,133 @@ class Fragmentation(Fault):
             self.record(request_index, None, "allocator switched to contiguous runs")
 
 
+# ---------------------------------------------------------------------- data-movement faults
+class TornWrite(Fault):
+    name = "torn-write"
+    description = ("a block's asynchronous write is not awaited: readers see its trailing "
+                   "part still holding the previous owner's bytes")
+    corrupts_kv = True
+    default_probability = 0.1
+
+    def __init__(self, seed: int = 0, start_after: int | None = None,
+                 probability: float | None = None) -> None:
+        super().__init__(seed, start_after, probability)
+        self._before: dict[int, BlockData] = {}  # block -> bytes before its new owner wrote
+
+    def on_allocate(self, engine: ReferenceEngine, seq: RunningSequence,
+                    block_ids: Sequence[int]) -> None:
+        for b in block_ids:  # one entry per block at most: bounded by the pool size
+            if self.active(seq.seq_id):
+                self._before[b] = engine.pool.export_block(b)
+            else:
+                self._before.pop(b, None)
+
+    def on_block_stored(self, engine: ReferenceEngine, seq: RunningSequence,
+                        block_id: int) -> None:
+        before = self._before.pop(block_id, None)
+        if before is None or not self.chance():
+            return
+        pool = engine.pool
+        # The copy runs K layer by layer, then V; it was cut somewhere in the middle.
+        regions = [(store, old, layer) for store, old in ((pool.key, before.key),
+                                                          (pool.value, before.value))
+                   for layer in range(store.shape[0])]
+        per = pool.key[0, block_id].numel()
+        cut = self.rng.randrange(per * len(regions) // 4, 3 * per * len(regions) // 4)
+        changed = False
+        for j, (store, old, layer) in enumerate(regions):
+            start = max(0, cut - j * per)
+            if start >= per:
+                continue
+            now = store[layer, block_id].view(-1)[start:]
+            stale = old[layer].reshape(-1)[start:]
+            changed = changed or not torch.equal(now, stale)
+            now.copy_(stale)
+        if changed:
+            self.record(seq.seq_id, block_id, f"write torn at element {cut} of "
+                        f"{per * len(regions)}: the rest holds the previous bytes")
+
+
+class FailedLoadAsHit(Fault):
+    name = "failed-load-as-hit"
+    description = ("a load from the CPU offload tier fails but is reported done: the block is "
+                   "indexed and served as a hit holding its previous owner's KV (or zeros)")
+    corrupts_kv = True
+    default_probability = 0.3
+    engine_needs = {"cpu_offload_blocks": 512}
+
+    def load_fails(self, engine: ReferenceEngine, request_index: int, block_id: int) -> bool:
+        if self.active(request_index) and self.chance():
+            self.record(request_index, block_id, "tier load failed, reported as loaded")
+            return True
+        return False
+
+
+class LayoutMismatch(Fault):
+    name = "layout-mismatch"
+    description = ("a block is written in the wrong layout (token-major bytes into a "
+                   "head-major block, or K and V swapped) and read in the engine's layout")
+    corrupts_kv = True
+    default_probability = 0.1
+
+    def on_block_full(self, engine: ReferenceEngine, seq: RunningSequence,
+                      block_id: int) -> None:
+        if not (self.active(seq.seq_id) and self.chance()):
+            return
+        pool = engine.pool
+        pairs = [(pool.key, pool.value)]
+        if pool.kv_storage is not None:
+            pairs.append((pool.key_scale, pool.value_scale))
+        before = pool.export_block(block_id)
+        if self.rng.random() < 0.5:
+            detail = "token-major (slot, head, dim) bytes in a head-major block"
+            for store in (t for pair in pairs for t in pair):
+                blk = store[:, block_id]  # (layers, heads, slots, dim)
+                store[:, block_id] = blk.transpose(1, 2).contiguous().view(blk.shape)
+        else:
+            detail = "K and V swapped"
+            for k, v in pairs:
+                k_copy = k[:, block_id].clone()
+                k[:, block_id] = v[:, block_id]
+                v[:, block_id] = k_copy
+        after = pool.export_block(block_id)
+        if any(not torch.equal(a, b) for a, b in zip(before.tensors(), after.tensors(),
+                                                     strict=True)):
+            self.record(seq.seq_id, block_id, detail)
+
+
+class QuantizationDrift(Fault):
+    name = "quantization-drift"
+    description = ("int8 KV quantised with a stale scale (a fraction of what the values "
+                   "need): most elements saturate, far beyond int8 rounding")
+    corrupts_kv = True
+    default_probability = 0.1
+    engine_needs = {"kv_storage": "int8"}
+
+    def __init__(self, seed: int = 0, start_after: int | None = None,
+                 probability: float | None = None, factor: float = 0.25) -> None:
+        super().__init__(seed, start_after, probability)
+        if not factor > 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        self.factor = factor
+
+    def on_allocate(self, engine: ReferenceEngine, seq: RunningSequence,
+                    block_ids: Sequence[int]) -> None:
+        errors = engine.pool.scale_error
+        for b in block_ids:
+            errors.pop(b, None)
+            if self.active(seq.seq_id) and self.chance():
+                errors[b] = self.factor
+                self.record(seq.seq_id, b, f"quantised with {self.factor:g}x the scale "
+                                           "its values need")
+
+
 # ---------------------------------------------------------------------- registry
 FAULTS: dict[str, type[Fault]] = {
     cls.name: cls
     for cls in (Fault, ZeroBlock, NonFinite, BoundaryOffByOne, StaleReuse, KeyMissingField,
-                HashCollision, PrematureFree, Leak, BitFlip, Fragmentation)
+                HashCollision, PrematureFree, Leak, BitFlip, Fragmentation, TornWrite,
+                FailedLoadAsHit, LayoutMismatch, QuantizationDrift)
 }
 
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from sidecar.engines.reference.quant import check_storage, dequantize, quantize
 
 BlockHash = bytes
 KeyFields = tuple[tuple[str, str], ...]  # ordered (name, value) pairs the hash covers
@@ -67,6 +69,21 @@ class BlockMeta:
     tokens: tuple[int, ...] = ()
     key_fields: KeyFields = ()
     prefix_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BlockData:
+    """One block's stored bytes: K and V ``(layers, kv_heads, block_size, head_dim)`` in
+    the storage dtype, plus the per-row scales when the storage is quantised."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.key, self.value, self.key_scale, self.value_scale)
+                     if t is not None)
 
 
 @dataclass(frozen=True)
@@ -149,14 +166,29 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32) -> None:
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 kv_storage: str | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        check_storage(kv_storage)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype  # what reads return; the storage may be quantised (kv_storage)
+        self.kv_storage = kv_storage
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype)
-        self.value = torch.zeros(shape, dtype=dtype)
+        stored = torch.int8 if kv_storage == "int8" else dtype
+        self.key = torch.zeros(shape, dtype=stored)
+        self.value = torch.zeros(shape, dtype=stored)
+        # Quantised storage: one float32 scale per (layer, block, head, slot) row (quant.py).
+        scale_shape = (*shape[:-1], 1) if kv_storage else (0,)
+        self.key_scale = torch.zeros(scale_shape)
+        self.value_scale = torch.zeros(scale_shape)
+        # block -> factor a buggy quantiser applies to the scale it should use (the
+        # quantization-drift fault sets it; clean writes use 1.0).
+        self.scale_error: dict[int, float] = {}
+        # Called with a cached block's id just before eviction drops its index entry (the
+        # engine's CPU offload tier copies it out here).
+        self.on_evict: Callable[[int], None] | None = None
         self.blocks = [BlockMeta(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -252,6 +284,8 @@ class BlockPool:
     def _evict_one(self, evicted: list[int]) -> None:
         """Move the least recently released cached block to the free queue's head."""
         b, _ = self._cached.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(b)
         self.uncache(b)
         self.evictions += 1
         evicted.append(b)
@@ -362,9 +396,21 @@ class BlockPool:
             b = block_ids[bi]
             if b not in skip:
                 src = slice(pos - start, pos - start + take)
-                self.key[:, b, :, off:off + take] = keys[:, :, src]
-                self.value[:, b, :, off:off + take] = values[:, :, src]
+                self._store(b, slice(off, off + take), keys[:, :, src], values[:, :, src])
             pos += take
+
+    def _store(self, block_id: int, slots: slice, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+        if self.kv_storage is None:
+            self.key[:, block_id, :, slots] = keys
+            self.value[:, block_id, :, slots] = values
+            return
+        factor = self.scale_error.get(block_id, 1.0)
+        for store, scales, x in ((self.key, self.key_scale, keys),
+                                 (self.value, self.value_scale, values)):
+            q, scale = quantize(x, factor)
+            store[:, block_id, :, slots] = q
+            scales[:, block_id, :, slots] = scale
 
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
@@ -373,18 +419,49 @@ class BlockPool:
         nb = -(-num_tokens // self.block_size)
         idx = torch.tensor(list(block_ids[:nb]), dtype=torch.long)
         out = []
-        for store in (self.key, self.value):
+        for store, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
             t = store.index_select(1, idx)  # (L, nb, H, bs, D)
+            if self.kv_storage is not None:
+                t = dequantize(t, scales.index_select(1, idx), self.dtype)
             layers, _, heads, _, dim = t.shape
             t = t.permute(0, 2, 1, 3, 4).reshape(layers, heads, nb * self.block_size, dim)
             out.append(t[:, :, :num_tokens].contiguous())
         return out[0], out[1]
 
     def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one block's K and V, ``(layers, kv_heads, block_size, head_dim)``."""
+        """Copies of one block's K and V, ``(layers, kv_heads, block_size, head_dim)``, in
+        the model dtype (dequantised when the storage is quantised)."""
+        if self.kv_storage is not None:
+            return (dequantize(self.key[:, block_id], self.key_scale[:, block_id], self.dtype),
+                    dequantize(self.value[:, block_id], self.value_scale[:, block_id],
+                               self.dtype))
         return self.key[:, block_id].clone(), self.value[:, block_id].clone()
 
+    def export_block(self, block_id: int) -> BlockData:
+        """The block's stored bytes as they are (quantised values and scales included): what
+        an offload tier copies out, or a reader compares bit for bit."""
+        if self.kv_storage is None:
+            return BlockData(self.key[:, block_id].clone(), self.value[:, block_id].clone())
+        return BlockData(self.key[:, block_id].clone(), self.value[:, block_id].clone(),
+                         self.key_scale[:, block_id].clone(),
+                         self.value_scale[:, block_id].clone())
+
+    def import_block(self, block_id: int, data: BlockData) -> None:
+        """Overwrite the block's stored bytes with ``data`` (from :meth:`export_block`)."""
+        self.key[:, block_id] = data.key
+        self.value[:, block_id] = data.value
+        if self.kv_storage is not None and data.key_scale is not None \
+                and data.value_scale is not None:
+            self.key_scale[:, block_id] = data.key_scale
+            self.value_scale[:, block_id] = data.value_scale
+
     # ------------------------------------------------------------------ introspection
+    def lists(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[BlockHash, int],
+                                                                      ...]]:
+        """(free queue, cached LRU, index entries) as they are: the cheap part of
+        :meth:`view` an outside invariant checker needs (call under the engine's lock)."""
+        return tuple(self._free), tuple(self._cached), tuple(self._index.items())
+
     def view(self) -> PoolView:
         return PoolView(
             num_blocks=self.num_blocks,

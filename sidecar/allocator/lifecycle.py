@@ -1,0 +1,131 @@
+"""The block lifecycle log: allocate / store / hit / free / evict, per block, readable back.
+
+Seed 001 §3.2 found its bug by logging every allocation and release with block id, sequence
+id and length, and reading the path of one block back; §7.3 asks for a sampling rate so the
+log stays affordable, and full detail around an anomaly. This module does both:
+
+* a **window**: the last ``window`` events at full rate, in memory only (a bounded deque);
+  when a content anomaly or an invariant violation fires, the window's events naming the
+  bad blocks go into the evidence record, so the path that led there is kept;
+* a **sampled log**: 1 event in ``round(1 / sample_rate)`` goes to the
+  ``sidecar.allocator.lifecycle`` logger (INFO) and a bounded ring (``kept``);
+* a **burst**: after an anomaly, the next ``burst`` events are logged at full rate, so what
+  happens to the bad blocks next is on record too ("always on around an anomaly").
+
+``record`` is the hot path: one tuple, one deque append and a countdown under a lock the
+engine thread rarely contends (readers copy the deque under it, off the engine thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.protocol import SequenceId
+
+log = logging.getLogger(__name__)
+
+
+class LifecycleOp(enum.StrEnum):
+    ALLOCATE = "allocate"  # fresh blocks handed to a sequence (new generation)
+    STORE = "store"  # a full block written and indexed
+    HIT = "hit"  # a lookup matched indexed blocks for a sequence
+    FREE = "free"  # a sequence released its references
+    EVICT = "evict"  # blocks left the prefix index (evicted or dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    n: int  # event number since start: orders events recorded within one clock tick
+    time: float
+    op: LifecycleOp
+    group_id: int
+    seq_id: SequenceId | None
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    length: int | None  # tokens: the hit's or the stored prefix's end; None when unknown
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "time": self.time, "op": self.op.value, "group": self.group_id,
+                "seq": self.seq_id, "blocks": list(self.block_ids),
+                "generations": list(self.generations), "length": self.length}
+
+    def names(self, group_id: int, blocks: frozenset[int]) -> bool:
+        return self.group_id == group_id and not blocks.isdisjoint(self.block_ids)
+
+    def __str__(self) -> str:
+        gens = f" gen={list(self.generations)}" if self.generations else ""
+        length = f" len={self.length}" if self.length is not None else ""
+        return (f"{self.op.value} group={self.group_id} seq={self.seq_id} "
+                f"blocks={list(self.block_ids)}{gens}{length} t={self.time:.6f}")
+
+
+class LifecycleLog:
+    """See the module docstring. ``sample_rate`` 0 logs nothing outside bursts."""
+
+    def __init__(self, sample_rate: float = 0.01, window: int = 2048, kept: int = 4096,
+                 burst: int = 256) -> None:
+        if not 0.0 <= sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
+        if min(window, kept) < 1 or burst < 0:
+            raise ValueError("window and kept must be >= 1, burst >= 0")
+        self.every = round(1 / sample_rate) if sample_rate > 0 else 0
+        self.burst = burst
+        self._window: deque[LifecycleEvent] = deque(maxlen=window)
+        self._kept: deque[LifecycleEvent] = deque(maxlen=kept)
+        self._countdown = self.every
+        self._burst_left = 0
+        self._lock = threading.Lock()
+        self.events = 0
+
+    def record(self, op: LifecycleOp, group_id: int, seq_id: SequenceId | None,
+               block_ids: Sequence[int], generations: Sequence[int] = (),
+               length: int | None = None) -> None:
+        """One event (hot path)."""
+        blocks, gens, now = tuple(block_ids), tuple(generations), time.time()
+        keep = False
+        with self._lock:
+            self.events += 1
+            ev = LifecycleEvent(self.events, now, op, group_id, seq_id, blocks, gens, length)
+            self._window.append(ev)
+            if self._burst_left > 0:
+                self._burst_left -= 1
+                keep = True
+            elif self.every:
+                self._countdown -= 1
+                if self._countdown <= 0:
+                    self._countdown = self.every
+                    keep = True
+            if keep:
+                self._kept.append(ev)
+        if keep and log.isEnabledFor(logging.INFO):
+            log.info("block lifecycle: %s", ev)
+
+    def trigger(self) -> None:
+        """An anomaly fired: log the next ``burst`` events at full rate."""
+        with self._lock:
+            self._burst_left = self.burst
+
+    def path(self, group_id: int, block_ids: Iterable[int],
+             limit: int = 64) -> list[dict[str, Any]]:
+        """The last ``limit`` events (window and sampled log) naming any of ``block_ids``,
+        oldest first: how those blocks got where they are."""
+        blocks = frozenset(block_ids)
+        with self._lock:
+            events = {e.n: e for e in self._kept}
+            events.update((e.n, e) for e in self._window)
+        hits = sorted((e for e in events.values() if e.names(group_id, blocks)),
+                      key=lambda e: e.n)
+        return [e.as_dict() for e in hits[-limit:]]
+
+    def recent(self, n: int = 50) -> list[dict[str, Any]]:
+        """The newest ``n`` sampled (or burst) events."""
+        with self._lock:
+            kept = list(self._kept)[-n:]
+        return [e.as_dict() for e in kept]
