@@ -207,6 +207,11 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"{_COUNT} allocator invariant violation(s) of kind {{{{ $labels.kind }}}} in "
               f"the last {ew} {_WHERE}: a block is shared, freed or indexed in a way that "
               "lets one request read another request's KV."),
+        Alert("KVCacheLeakSuspected",
+              f"max by ({by}) ({q.sel(S.LEAK_SUSPECTED_FLAG)}) > 0", "5m", WARNING,
+              "KV blocks are leaking.",
+              f"The allocator holds block references that no live sequence holds, and their "
+              f"number only grows {_WHERE}: the free pool will drain and allocations fail."),
         Alert("KVCacheAllocationFailuresHigh",
               f"{ALLOC_FAILURE_RATIO} > {t.allocation_failure_rate:g}", "5m", WARNING,
               "KV block allocations are failing.",

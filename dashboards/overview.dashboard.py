@@ -110,8 +110,9 @@ allocator = [
                   "internal {{instance}}")],
                 steps("green", (T.fragmentation_ratio, "orange"))), 8, 8),
     (timeseries("Blocks by state", "Pool blocks: free, cached (reusable prefix), used, "
-                "total.", "short",
-                [(f"sum by (state) ({sel(S.BLOCKS)})", "{{state}}")]), 12, 8),
+                "total; leaked: held references no live sequence holds.", "short",
+                [(f"sum by (state) ({sel(S.BLOCKS)})", "{{state}}"),
+                 (f"sum({sel(S.LEAK_SUSPECTED)})", "leaked references")]), 12, 8),
     (timeseries("Allocator invariant violations", "Broken invariants (a free block still "
                 "indexed, a ref count below its holders): each is a corruption in waiting.",
                 "cps", [(rate(S.INVARIANT_VIOLATIONS, "kind"), "{{kind}}")],

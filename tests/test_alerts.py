@@ -107,6 +107,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVCacheContentAnomaly": PAGE,
         "KVCacheHighHitRateWithAnomalies": PAGE,
         "KVCacheInvariantViolation": PAGE,
+        "KVCacheLeakSuspected": WARNING,
         "KVCacheAllocationFailuresHigh": WARNING,
         "KVCacheUsageHigh": WARNING,
         "KVCacheFragmentationHigh": WARNING,
