@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
-from sidecar.checks.keys import StoreRecord, token_digest
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
-from sidecar.metrics import Metrics, fragmentation_ratio, usage_ratio
+from sidecar.metrics import Metrics
 from sidecar.protocol import (
     Adapter,
     AllocatorIntrospection,
@@ -44,6 +42,8 @@ from sidecar.protocol import (
 )
 from sidecar.sampling import Sampler, UniformSampler
 from sidecar.signals import DropReason
+from sidecar.store_index import StoreIndex
+from sidecar.summary import p99, summarize
 from sidecar.verifier import Sample, TokenBucket, Verdict, Verifier
 
 log = logging.getLogger(__name__)
@@ -109,11 +109,9 @@ class Monitor:
                                  recompute=self.config.recompute)
         self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
         self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
-        self._records: OrderedDict[tuple[int, int], StoreRecord] = OrderedDict()
-        self._records_lock = threading.Lock()
+        self.stored = StoreIndex(self.config.store_records)
         self._latencies: deque[float] = deque(maxlen=self.config.latency_window)
         self._worker: threading.Thread | None = None
-        self._stopping = threading.Event()
         self._pending = 0  # samples queued or being verified
         self._pending_cond = threading.Condition()
         self._hook_error_logged: set[str] = set()
@@ -170,22 +168,7 @@ class Monitor:
 
     def on_store(self, block: StoredBlock) -> None:
         try:
-            key = (block.group_id, block.block_id)
-            with self._records_lock:
-                parent = (self._records.get((block.group_id, block.parent_block_id))
-                          if block.parent_block_id is not None else None)
-                first = block.prefix_tokens == 0
-                chained = first or (parent is not None and parent.chained
-                                    and parent.prefix_tokens + len(block.tokens)
-                                    == block.prefix_tokens)
-                digest = token_digest(None if first or parent is None else parent.digest,
-                                      block.tokens)
-                self._records[key] = StoreRecord(block.generation, digest, chained,
-                                                 block.prefix_tokens, dict(block.key_fields),
-                                                 block.kv_digest)
-                self._records.move_to_end(key)
-                while len(self._records) > self.config.store_records:
-                    self._records.popitem(last=False)
+            self.stored.record(block)
             self.lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
                                   (block.block_id,), (block.generation,),
                                   block.prefix_tokens + len(block.tokens))
@@ -194,9 +177,7 @@ class Monitor:
 
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
-            with self._records_lock:
-                for b in block_ids:
-                    self._records.pop((group_id, int(b)), None)
+            self.stored.forget(group_id, block_ids)
             self.lifecycle.record(LifecycleOp.EVICT, group_id, None, block_ids)
         except Exception as exc:
             self._hook_failed("on_free", exc)
@@ -230,15 +211,19 @@ class Monitor:
         except Exception as exc:
             self._hook_failed("on_request_done", exc)
 
-    def _enqueue(self, hit: Hit) -> None:
+    def _sample(self, hit: Hit) -> Sample | None:
+        """The blocks to check and their store records as they are now (hit time)."""
         refs = tuple(self.sampler.choose(hit, self.info.block_size,
                                          self.config.blocks_per_sample))
         if not refs:
+            return None
+        return Sample(hit, refs, self.stored.snapshot(refs), time.time())
+
+    def _enqueue(self, hit: Hit) -> None:
+        sample = self._sample(hit)
+        if sample is None:
             return
-        with self._records_lock:
-            records = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
         self.metrics.inc(S.SAMPLED)
-        sample = Sample(hit, refs, records, time.time())
         with self._pending_cond:
             self._pending += 1
         try:
@@ -287,11 +272,8 @@ class Monitor:
 
     def verify(self, hit: Hit) -> Verdict:
         """Verify one hit now, synchronously (tests, benchmarks, on-demand checks)."""
-        refs = tuple(self.sampler.choose(hit, self.info.block_size,
-                                         self.config.blocks_per_sample))
-        with self._records_lock:
-            records = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
-        verdict = self.verifier.verify(Sample(hit, refs, records, time.time()))
+        sample = self._sample(hit) or Sample(hit, (), {}, time.time())
+        verdict = self.verifier.verify(sample)
         self.apply(verdict)
         return verdict
 
@@ -399,44 +381,8 @@ class Monitor:
 
     # ------------------------------------------------------------------ summaries
     def p99_latency(self) -> float | None:
-        lat = sorted(self._latencies)
-        if not lat:
-            return None
-        return lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+        return p99(self._latencies)
 
     def summary(self) -> dict[str, Any]:
-        """The demo's JSON summary (keys are part of the CLI contract)."""
-        m = self.metrics
-        lookups = m.value(S.LOOKUPS.name)
-        hits = m.value(S.HITS.name)
-        q = m.value(S.QUERY_TOKENS.name)
-        ht = m.value(S.HIT_TOKENS.name)
-        verified = m.value_sum(S.VERIFIED.name)
-        anomalies = {k: int(v) for k, v in m.by_label(S.ANOMALIES.name, "kind").items()}
-        state = m.allocator.state
-        return {
-            "engine": self.info.engine,
-            "model": self.info.model,
-            "dtype": self.info.dtype,
-            "requests": self.requests_done,
-            "lookups": int(lookups),
-            "hits": int(hits),
-            "hit_rate": hits / lookups if lookups else 0.0,
-            "token_hit_rate": ht / q if q else 0.0,
-            "sampled": int(m.value(S.SAMPLED.name)),
-            "verified": int(verified),
-            "anomalies": anomalies,
-            "anomaly_rate": sum(anomalies.values()) / verified if verified else 0.0,
-            "dropped": {k: int(v) for k, v in m.by_label(S.SAMPLES_DROPPED.name,
-                                                            "reason").items()},
-            "adapter_errors": int(m.value_sum(S.ADAPTER_ERRORS.name)),
-            "allocations": state.allocations if state else 0,
-            "allocation_failures": state.allocation_failures if state else 0,
-            "usage_ratio": usage_ratio(state) if state else 0.0,
-            "fragmentation_ratio": fragmentation_ratio(state) if state else 0.0,
-            "p99_latency_seconds": self.p99_latency(),
-            "max_recompute_error": self.max_recompute_error,
-            "tolerance": self.verifier.tolerance,
-            "first_content_anomaly_request": self.first_anomaly_request,
-            **self.allocator_health.summary(state),
-        }
+        """The demo's JSON summary and ``/status`` (see :func:`sidecar.summary.summarize`)."""
+        return summarize(self)

@@ -1,0 +1,62 @@
+"""The run summary: the demo's ``--json`` object and the ``/status`` page.
+
+Its keys are part of the CLI contract (README, "What the demo shows"); every value is read
+from the same registry Prometheus scrapes, so the summary and /metrics never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sidecar import signals as S
+from sidecar.metrics import fragmentation_ratio, usage_ratio
+
+if TYPE_CHECKING:
+    from sidecar.monitor import Monitor
+
+
+def p99(latencies: Iterable[float]) -> float | None:
+    """Nearest-rank 99th percentile of the recent latencies (None when there are none)."""
+    lat = sorted(latencies)
+    if not lat:
+        return None
+    return lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+
+
+def summarize(monitor: Monitor) -> dict[str, Any]:
+    m = monitor.metrics
+    info = monitor.info
+    lookups = m.value(S.LOOKUPS.name)
+    hits = m.value(S.HITS.name)
+    q = m.value(S.QUERY_TOKENS.name)
+    ht = m.value(S.HIT_TOKENS.name)
+    verified = m.value_sum(S.VERIFIED.name)
+    anomalies = {k: int(v) for k, v in m.by_label(S.ANOMALIES.name, "kind").items()}
+    state = m.allocator.state
+    return {
+        "engine": info.engine,
+        "model": info.model,
+        "dtype": info.dtype,
+        "requests": monitor.requests_done,
+        "lookups": int(lookups),
+        "hits": int(hits),
+        "hit_rate": hits / lookups if lookups else 0.0,
+        "token_hit_rate": ht / q if q else 0.0,
+        "sampled": int(m.value(S.SAMPLED.name)),
+        "verified": int(verified),
+        "anomalies": anomalies,
+        "anomaly_rate": sum(anomalies.values()) / verified if verified else 0.0,
+        "dropped": {k: int(v) for k, v in m.by_label(S.SAMPLES_DROPPED.name, "reason").items()},
+        "adapter_errors": int(m.value_sum(S.ADAPTER_ERRORS.name)),
+        "allocations": state.allocations if state else 0,
+        "allocation_failures": state.allocation_failures if state else 0,
+        "usage_ratio": usage_ratio(state) if state else 0.0,
+        "fragmentation_ratio": fragmentation_ratio(state) if state else 0.0,
+        "p99_latency_seconds": monitor.p99_latency(),
+        "max_recompute_error": monitor.max_recompute_error,
+        "tolerance": monitor.verifier.tolerance,
+        "first_content_anomaly_request": monitor.first_anomaly_request,
+        **monitor.allocator_health.summary(state),
+    }
