@@ -8,8 +8,8 @@ with earlier blocks picked by a seeded RNG, so runs are reproducible.
 Three policies, all with the same long-run budget of one hit in ``every``:
 
 * :class:`UniformSampler`: exactly one hit in every N;
-* :class:`BoundaryBiasedSampler`: favours hits that end on a block boundary where boundary
-  bugs bite (see :func:`at_boundary`);
+* :class:`BoundaryBiasedSampler`: favours hits whose cached prefix ends where an earlier
+  sequence ended exactly on a block boundary, where boundary bugs bite;
 * :class:`AdaptiveSampler`: after an anomaly, favours hits of the same cache groups and
   length class for a while (corruption clusters: one bad shared block spoils every hit
   through it).
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Hashable
-from typing import Protocol
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
 
-from sidecar.protocol import BlockRef, Hit
+from sidecar.protocol import BlockRef, Hit, SequenceId, StoredBlock
 
 
 class Sampler(Protocol):
@@ -106,27 +107,73 @@ class WeightedSampler:
         return None
 
 
-def at_boundary(hit: Hit, block_size: int) -> bool:
-    """Whether the lookup sits on a block boundary, where release and reuse off-by-ones act:
-    the prompt is an exact multiple of the block size, or the hit runs up to the last full
-    block the prompt could reuse (the cached prefix ends where its writer's KV ended)."""
-    n = len(hit.tokens)
-    return n % block_size == 0 or hit.hit_tokens == (n - 1) // block_size * block_size
-
-
 class BoundaryBiasedSampler(WeightedSampler):
-    """Boundary-biased: hits at a block boundary (:func:`at_boundary`) weigh ``boost``
-    times an ordinary hit; the last full block of every sampled hit is always checked."""
+    """Boundary-biased: favours hits whose cached prefix ends on a sequence boundary that is
+    also a block boundary, where release and reuse off-by-ones act (seed 001 §3.3).
 
-    def __init__(self, every: int, block_size: int, seed: int = 0, boost: float = 8.0) -> None:
+    A hit weighs ``boost`` times an ordinary hit when its prompt is an exact multiple of
+    the block size, or when its last full block is a *boundary block*: the last block of a
+    finished sequence whose length was a multiple of the block size (the sequence stored
+    it, then released it as its tail). The next turn of that conversation hits exactly up
+    to that block, and a release that frees one block too many frees exactly that one.
+    Boundary blocks are learnt from the cache events (:meth:`observe_store`,
+    :meth:`observe_release`, :meth:`observe_free`), in bounded memory; without those events
+    only the prompt-length cue is left. The last full block of every sampled hit is always
+    checked (:func:`choose_blocks`).
+    """
+
+    def __init__(self, every: int, block_size: int, seed: int = 0, boost: float = 8.0,
+                 memory: int = 65_536) -> None:
         super().__init__(every, seed)
-        if block_size < 1 or boost < 1:
-            raise ValueError("block_size must be >= 1 and boost >= 1")
+        if block_size < 1 or boost < 1 or memory < 1:
+            raise ValueError("block_size, boost and memory must be >= 1")
         self.block_size = block_size
         self.boost = boost
+        self.memory = memory
+        self._stored_by: OrderedDict[tuple[int, int], SequenceId] = OrderedDict()
+        self._boundary: OrderedDict[tuple[int, int], None] = OrderedDict()
 
     def weight(self, hit: Hit) -> float:
-        return self.boost if at_boundary(hit, self.block_size) else 1.0
+        if len(hit.tokens) % self.block_size == 0:
+            return self.boost
+        last = hit.hit_tokens // self.block_size - 1
+        for group_id, ids in hit.blocks.items():
+            if 0 <= last < len(ids) and (group_id, int(ids[last])) in self._boundary:
+                return self.boost
+        return 1.0
+
+    # Cache events (O(1) each; the Monitor forwards them where the sampler has them).
+    def observe_store(self, block: StoredBlock) -> None:
+        if block.seq_id is not None:
+            with self._lock:
+                _remember(self._stored_by, (block.group_id, block.block_id), block.seq_id,
+                          self.memory)
+
+    def observe_release(self, group_id: int, seq_id: SequenceId,
+                        block_ids: Sequence[int]) -> None:
+        """A sequence released its block table: if it had stored its tail block, its length
+        was a multiple of the block size and the tail is a boundary block."""
+        if not block_ids:
+            return
+        tail = (group_id, int(block_ids[-1]))
+        with self._lock:
+            if self._stored_by.get(tail) == seq_id:
+                _remember(self._boundary, tail, None, self.memory)
+
+    def observe_free(self, group_id: int, block_ids: Sequence[int]) -> None:
+        """Blocks that left the index are no boundary any more."""
+        with self._lock:
+            for b in block_ids:
+                self._boundary.pop((group_id, int(b)), None)
+                self._stored_by.pop((group_id, int(b)), None)
+
+
+def _remember(store: OrderedDict[tuple[int, int], Any], key: tuple[int, int], value: Any,
+              limit: int) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > limit:
+        store.popitem(last=False)
 
 
 def length_class(hit: Hit) -> Hashable:
