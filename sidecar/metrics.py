@@ -100,7 +100,7 @@ class AllocatorCollector(Collector):
 
 
 # Signals the AllocatorCollector reports; everything else is instrumented directly.
-_COLLECTED = {S.ALLOCATIONS.name, S.ALLOCATION_FAILURES.name, S.USAGE_RATIO.name,
+COLLECTED = {S.ALLOCATIONS.name, S.ALLOCATION_FAILURES.name, S.USAGE_RATIO.name,
               S.FRAGMENTATION_RATIO.name, S.INTERNAL_FRAGMENTATION_RATIO.name, S.BLOCKS.name}
 
 
@@ -118,7 +118,7 @@ class Metrics:
         self.allocator = AllocatorCollector(dict(self.base))
         self.registry.register(self.allocator)
         for sig in (*S.ALL_SIGNALS, *extra_signals):
-            if sig.name not in _COLLECTED:
+            if sig.name not in COLLECTED:
                 self._instruments[sig.name] = self._make(sig)
         self.gauge(S.BUILD_INFO, version=__version__).set(1)
 

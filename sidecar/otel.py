@@ -2,8 +2,8 @@
 
 One set of updates feeds both worlds: :class:`OtelMirror` is registered on
 :class:`sidecar.metrics.Metrics` and receives every counter increment and histogram
-observation the Prometheus registry gets; engine-owned gauges (usage, fragmentation, last
-verification) are observable gauges read from the same snapshot at collection time. Readers
+observation the Prometheus registry gets; every gauge signal
+is an observable gauge read from the same registry at collection time. Readers
 are the SDK's: ``PeriodicExportingMetricReader`` for push (console, or OTLP when
 ``opentelemetry-exporter-otlp`` is installed), ``InMemoryMetricReader`` in tests. Exporter
 failures are the SDK's to log; nothing here raises into the caller.
@@ -23,7 +23,7 @@ from opentelemetry.sdk.resources import Resource
 
 from sidecar import __version__
 from sidecar import signals as S
-from sidecar.metrics import Metrics, fragmentation_ratio, usage_ratio
+from sidecar.metrics import COLLECTED, Metrics
 from sidecar.signals import MetricType, Signal
 
 log = logging.getLogger(__name__)
@@ -48,33 +48,33 @@ class OtelMirror:
                                       "service.version": __version__}))
         meter = self.provider.get_meter("kv-sidecar", __version__)
         self._instruments: dict[str, Any] = {}
+        self._metrics = metrics
         for sig in S.ALL_SIGNALS:
-            if sig.type is MetricType.COUNTER:
+            if sig.type is MetricType.COUNTER and sig.name in COLLECTED:
+                # Engine-owned totals (allocations): observed from the engine's snapshot.
+                meter.create_observable_counter(_otel_name(sig), [self._registry_cb(sig)],
+                                                description=sig.help)
+            elif sig.type is MetricType.COUNTER:
                 self._instruments[sig.name] = meter.create_counter(_otel_name(sig),
                                                                    description=sig.help)
             elif sig.type is MetricType.HISTOGRAM:
                 self._instruments[sig.name] = meter.create_histogram(
                     _otel_name(sig), unit="s", description=sig.help)
-        self._metrics = metrics
-        for sig, fn in ((S.USAGE_RATIO, usage_ratio), (S.FRAGMENTATION_RATIO,
-                                                        fragmentation_ratio)):
-            meter.create_observable_gauge(_otel_name(sig), [self._gauge_cb(fn)],
-                                          description=sig.help)
-        meter.create_observable_gauge(_otel_name(S.LAST_VERIFICATION),
-                                      [self._last_verification], description=
-                                      S.LAST_VERIFICATION.help)
+        # Gauges are state, not events: one observable gauge per gauge signal reads the
+        # same registry Prometheus scrapes (engine-owned collectors included).
+        for sig in S.ALL_SIGNALS:
+            if sig.type is MetricType.GAUGE:
+                meter.create_observable_gauge(_otel_name(sig), [self._registry_cb(sig)],
+                                              description=sig.help)
         metrics.add_mirror(self)
 
-    def _gauge_cb(self, fn: Any) -> Any:
+    def _registry_cb(self, sig: Signal) -> Any:
         def cb(options: CallbackOptions) -> Iterable[Observation]:
-            state = self._metrics.allocator.state
-            if state is not None:
-                yield Observation(fn(state), dict(self._metrics.base))
+            for family in self._metrics.registry.collect():
+                for sample in family.samples:
+                    if sample.name == sig.name:
+                        yield Observation(sample.value, dict(sample.labels))
         return cb
-
-    def _last_verification(self, options: CallbackOptions) -> Iterable[Observation]:
-        yield Observation(self._metrics.value(S.LAST_VERIFICATION.name),
-                          dict(self._metrics.base))
 
     def inc(self, sig: Signal, amount: float, labels: dict[str, str]) -> None:
         inst = self._instruments.get(sig.name)

@@ -34,4 +34,8 @@ def test_otel_sees_the_same_counts_as_prometheus():
     assert anomalies == {"zeros": 1}
     assert pts[S.REQUEST_LATENCY.name][0].count == 2
     assert S.USAGE_RATIO.name in pts
+    thresholds = {p.attributes["threshold"]: p.value for p in pts[S.THRESHOLD.name]}
+    assert thresholds["usage_ratio"] == S.THRESHOLDS.usage_ratio
+    assert pts[S.LEAK_SUSPECTED_FLAG.name][0].value == 0
+    assert pts[S.ALLOCATIONS.base_name][0].value == mon.metrics.value(S.ALLOCATIONS.name) > 0
     mirror.shutdown()
