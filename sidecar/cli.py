@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every signal kv-sidecar exports (the single source "
                                    "of truth in sidecar/signals.py).")
     s.add_argument("--markdown", action="store_true", help="print the README's table")
+
+    from sidecar.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

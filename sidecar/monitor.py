@@ -104,6 +104,10 @@ class Monitor:
         self.metrics = Metrics(self.info.engine, self.info.model, registry)
         self.sampler: Sampler = sampler or UniformSampler(self.config.sample_every,
                                                           self.config.seed)
+        # Policies that learn from cache events (boundary-biased) get them forwarded.
+        self._sampler_store = getattr(self.sampler, "observe_store", None)
+        self._sampler_free = getattr(self.sampler, "observe_free", None)
+        self._sampler_release = getattr(self.sampler, "observe_release", None)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(self.config.recompute_tokens_per_s),
                                  recompute=self.config.recompute)
@@ -169,6 +173,8 @@ class Monitor:
     def on_store(self, block: StoredBlock) -> None:
         try:
             self.stored.record(block)
+            if self._sampler_store is not None:
+                self._sampler_store(block)
             self.lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
                                   (block.block_id,), (block.generation,),
                                   block.prefix_tokens + len(block.tokens))
@@ -178,6 +184,8 @@ class Monitor:
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
             self.stored.forget(group_id, block_ids)
+            if self._sampler_free is not None:
+                self._sampler_free(group_id, block_ids)
             self.lifecycle.record(LifecycleOp.EVICT, group_id, None, block_ids)
         except Exception as exc:
             self._hook_failed("on_free", exc)
@@ -196,6 +204,8 @@ class Monitor:
         check, since a release is where premature and double frees happen."""
         try:
             self.lifecycle.record(LifecycleOp.FREE, group_id, seq_id, block_ids)
+            if self._sampler_release is not None:
+                self._sampler_release(group_id, seq_id, block_ids)
             if self._trigger is not None:
                 self._trigger.nudge()
         except Exception as exc:

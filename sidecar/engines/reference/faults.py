@@ -9,7 +9,9 @@ truth for the detection benchmark. See ``/FAULTS.md`` for the catalogue and who 
 catch each one.
 
 Adding a fault: subclass :class:`Fault`, set ``name`` and ``description``, override hooks,
-and add it to :data:`FAULTS`.
+declare in ``engine_needs`` any engine setting it cannot act without (a CPU tier, int8
+storage), and add it to :data:`FAULTS`; ``kv-sidecar bench detection`` then scores it
+against the engine's ground truth without further code.
 """
 
 from __future__ import annotations
@@ -374,7 +376,7 @@ class FailedLoadAsHit(Fault):
     description = ("a load from the CPU offload tier fails but is reported done: the block is "
                    "indexed and served as a hit holding its previous owner's KV (or zeros)")
     corrupts_kv = True
-    default_probability = 0.3
+    default_probability = 1.0  # a broken tier backend fails every load, not one in a few
     engine_needs = {"cpu_offload_blocks": 512}
 
     def load_fails(self, engine: ReferenceEngine, request_index: int, block_id: int) -> bool:

@@ -12,8 +12,12 @@ it has never seen. Per physical block of the pool it keeps:
 * a **taint** flag: the content was computed while its sequence attended over a wrong
   block (a request that decoded over a zeroed block writes wrong KV with exact bytes).
 
-A block is *bad for a hit* when its bytes differ from the shadow, its identity is not the
-hit's own prefix, or it is tainted. The engine feeds this tracker only when
+A block is *corrupt* for a hit when its bytes differ from the shadow or its identity is not
+the hit's own prefix: what the fault did. It is *tainted* when its bytes and identity are
+right but were computed over a wrong past: a side effect that may be large (KV computed over
+a zeroed block) or nil (a NaN in the last layer never reaches another block's KV), so the
+benchmark neither counts it as a miss when unflagged nor as a false alarm when flagged. The
+engine feeds this tracker only when
 ``EngineConfig.track_truth`` is set (it costs a second copy of the pool and a comparison
 of every block a sequence attends over).
 """
@@ -126,15 +130,32 @@ class GroundTruth:
     # ------------------------------------------------------------------ queries
     def bad_blocks(self, hit: Hit, group_id: int = 0) -> list[int]:
         """Indices (within the hit) of the hit's blocks that do not hold the KV the hit's
-        own tokens and key fields need. Call it while the hit is current (at lookup)."""
+        own tokens and key fields need, corrupt or tainted. Call it while the hit is current
+        (at lookup)."""
+        corrupt, tainted = self.classify(hit, group_id)
+        return sorted(corrupt + tainted)
+
+    def classify(self, hit: Hit, group_id: int = 0) -> tuple[list[int], list[int]]:
+        """(corrupt, tainted) block indices of the hit (see the module docstring)."""
         ids = hit.blocks.get(group_id, ())
         bs = self.pool.block_size
         fields = tuple((n, str(hit.key_fields.get(n, ""))) for n in self.key_field_names)
         chain = _extend_chain([], hit.tokens, fields, len(ids), bs)
-        return [i for i, b in enumerate(ids) if not self._valid(int(b), chain[i], bs)]
+        corrupt: list[int] = []
+        tainted: list[int] = []
+        for i, b in enumerate(ids):
+            if not self._exact(int(b), chain[i], bs):
+                corrupt.append(i)
+            elif self.tainted[int(b)]:
+                tainted.append(i)
+        return corrupt, tainted
 
     def _valid(self, block_id: int, identity: Identity, slots: int) -> bool:
-        if self.tainted[block_id] or self.identity[block_id] != identity:
+        return not self.tainted[block_id] and self._exact(block_id, identity, slots)
+
+    def _exact(self, block_id: int, identity: Identity, slots: int) -> bool:
+        """The block's bytes are the clean write's and stand for ``identity``."""
+        if self.identity[block_id] != identity:
             return False
         real, shadow = self.pool, self.shadow
         pairs = [(real.key, shadow.key), (real.value, shadow.value)]

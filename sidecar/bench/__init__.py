@@ -1,0 +1,33 @@
+"""Benchmarks (``kv-sidecar bench ...``): commands that print a table and, with ``--json``,
+one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench`` and its benchmarks on the CLI's subparsers."""
+    from sidecar.bench.args import add_arguments
+
+    b = sub.add_parser("bench", help="benchmarks (detection)",
+                       description="Benchmarks that print a table (or JSON with --json).")
+    bench_sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
+    d = bench_sub.add_parser(
+        "detection", help="every catalogued fault vs the sidecar, per dtype",
+        description="Run the reference engine with each catalogued fault (and clean) per "
+                    "dtype, verify sampled hits with kv-sidecar, and score every verdict "
+                    "against the engine's ground truth: recall, false positives, samples "
+                    "until first detection, noise floor vs tolerance, sampling policies at "
+                    "equal budget, and the fingerprint digest's throughput.")
+    add_arguments(d)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point from :mod:`sidecar.cli`; returns the exit code."""
+    if getattr(args, "bench", None) == "detection":
+        from sidecar.bench.detection import run
+
+        return run(args)
+    print("usage: kv-sidecar bench detection [--dtype ...] [--faults ...] [--json]")
+    return 2
