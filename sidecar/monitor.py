@@ -114,6 +114,7 @@ class Monitor:
         self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
         self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
         self.stored = StoreIndex(self.config.store_records)
+        self._group_labels = {g.group_id: g.label for g in self.info.groups}
         self._latencies: deque[float] = deque(maxlen=self.config.latency_window)
         self._worker: threading.Thread | None = None
         self._pending = 0  # samples queued or being verified
@@ -290,7 +291,7 @@ class Monitor:
     def apply(self, verdict: Verdict) -> None:
         """Turn a verdict into signals, evidence and sampler feedback."""
         m = self.metrics
-        groups = {g.group_id: g.label for g in self.info.groups}
+        groups = self._group_labels
         for ref in verdict.verified:
             m.inc(S.VERIFIED, group=groups.get(ref.group_id, str(ref.group_id)))
         seen: set[tuple[int, int, str]] = set()

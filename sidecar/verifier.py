@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.checks.base import Finding
@@ -125,7 +125,8 @@ class Verifier:
                 condemned.add(ref)
                 verdict.findings.extend(found)
 
-        cached = self._call("read", verdict, hit, refs, len(refs) - len(condemned))
+        cached = self._call("read", self.adapter.read, verdict, hit, refs,
+                            len(refs) - len(condemned))
         passed: list[BlockKV] = []
         for block in cached or []:
             ref = block.ref
@@ -160,7 +161,8 @@ class Verifier:
         if not self.budget.take(cost):
             _drop(verdict, DropReason.BUDGET, len(blocks))
             return
-        reference = self._call("recompute", verdict, hit, [b.ref for b in blocks], len(blocks))
+        reference = self._call("recompute", self.adapter.recompute, verdict, hit,
+                               [b.ref for b in blocks], len(blocks))
         if reference is None:
             return
         by_ref = {r.ref: r for r in reference}
@@ -179,10 +181,10 @@ class Verifier:
                     f"normalized error {err:.3g} > tolerance {self.tolerance:.3g} "
                     f"({self.info.dtype})", err))
 
-    def _call(self, op: str, verdict: Verdict, hit: Hit, refs: Sequence[BlockRef],
+    def _call(self, op: str, fn: Callable[[Hit, Sequence[BlockRef]], Sequence[BlockKV]],
+              verdict: Verdict, hit: Hit, refs: Sequence[BlockRef],
               at_stake: int) -> list[BlockKV] | None:
         """A guarded adapter call; on failure, ``at_stake`` undecided blocks are dropped."""
-        fn = self.adapter.read if op == "read" else self.adapter.recompute
         try:
             return list(self.guard.call(op, fn, hit, refs))
         except AdapterTimeout:

@@ -22,13 +22,13 @@ def check_structure(block: BlockKV, info: EngineInfo, n_layers: int) -> list[Fin
             out.append(Finding(AnomalyKind.STRUCTURE, ref.group_id, ref.index,
                                f"{name} shape {tuple(t.shape)} != expected {expected}"))
             continue
-        if str(t.dtype).removeprefix("torch.") != info.dtype:
+        if dtype_name(t) != info.dtype:
             out.append(Finding(AnomalyKind.STRUCTURE, ref.group_id, ref.index,
                                f"{name} dtype {t.dtype} != engine dtype {info.dtype}"))
         if t.numel() and t.stride()[-1] != 1:
             out.append(Finding(AnomalyKind.STRUCTURE, ref.group_id, ref.index,
                                f"{name} innermost stride {t.stride()[-1]} != 1 (wrong view)"))
-        if t.is_floating_point() is False:
+        if not t.is_floating_point():
             out.append(Finding(AnomalyKind.STRUCTURE, ref.group_id, ref.index,
                                f"{name} is not floating point ({t.dtype})"))
     return out
