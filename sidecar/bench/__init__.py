@@ -1,16 +1,18 @@
 """Benchmarks (``kv-sidecar bench ...``): commands that print a table and, with ``--json``,
-one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype."""
+one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype; ``perf``: what
+the sidecar costs the engine, against baselines measured in the same run."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its benchmarks on the CLI's subparsers."""
     from sidecar.bench.args import add_arguments
 
-    b = sub.add_parser("bench", help="benchmarks (detection)",
+    b = sub.add_parser("bench", help="benchmarks (detection, perf)",
                        description="Benchmarks that print a table (or JSON with --json).")
     bench_sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
     d = bench_sub.add_parser(
@@ -21,6 +23,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "until first detection, noise floor vs tolerance, sampling policies at "
                     "equal budget, and the fingerprint digest's throughput.")
     add_arguments(d)
+    from sidecar.bench.perf import add_arguments as add_perf_arguments
+
+    pf = bench_sub.add_parser(
+        "perf", help="what the sidecar costs the engine, as ratios against baselines",
+        description="Hot-path ns per hook vs a no-op call (and callgrind instruction "
+                    "counts), engine throughput attached vs detached, check throughput vs "
+                    "clone/amax of the same bytes, vLLM event ingestion vs msgpack alone, "
+                    "memory over 100k/1M events, sampled-hit-to-verdict latency vs one "
+                    "prefill, and hook tail latency while the verifier is busy. One table "
+                    "(or --json); every figure measured side by side in one run.")
+    add_perf_arguments(pf)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -29,5 +42,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from sidecar.bench.detection import run
 
         return run(args)
-    print("usage: kv-sidecar bench detection [--dtype ...] [--faults ...] [--json]")
+    if getattr(args, "bench", None) == "perf":
+        from sidecar.bench.perf import run as run_perf
+
+        return run_perf(args)
+    print("usage: kv-sidecar bench detection|perf [--json] ...", file=sys.stderr)
     return 2
