@@ -1,6 +1,6 @@
 """Benchmarks (``kv-sidecar bench ...``): commands that print a table and, with ``--json``,
-one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype; ``perf``: what
-the sidecar costs the engine, against baselines measured in the same run."""
+one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype;
+``perf``: what the sidecar costs the engine, against baselines measured in the same run."""
 
 from __future__ import annotations
 
