@@ -82,10 +82,10 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     engine, monitor = build(opts)
-    mirror = None
+    otel = None
     if opts.otel == "console":
-        from sidecar.otel import OtelMirror, console_reader
-        mirror = OtelMirror(monitor.metrics, [console_reader()])
+        from sidecar.otel import OtelExporter, console_exporter
+        otel = OtelExporter(monitor.metrics.registry, console_exporter()).start()
     server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port).start()
     if opts.progress:
         print(f"kv-sidecar demo: fault={opts.fault} dtype={opts.dtype} "
@@ -130,8 +130,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         jobs.stop()
         monitor.stop()
         server.stop()
-        if mirror is not None:
-            mirror.shutdown()
+        if otel is not None:
+            otel.shutdown()
 
 
 def demo_extras(engine: ReferenceEngine, opts: DemoOptions,

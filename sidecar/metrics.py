@@ -9,24 +9,29 @@ Two kinds of series, chosen deliberately (as prometheus/client_python does):
   counters stay the engine's own totals and never drift from them.
 
 No global registry: each :class:`Metrics` owns a fresh ``CollectorRegistry`` (tests build
-their own and read values with ``registry.get_sample_value``). An optional OpenTelemetry
-mirror (:mod:`sidecar.otel`) receives the same updates.
+their own and read values with ``registry.get_sample_value``). OpenTelemetry
+(:mod:`sidecar.otel`) exports from the same registry: one set of instruments, two readers.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
 from sidecar import signals as S
+from sidecar.instruments import Cell, Family, Hist, Instruments, InstrumentsCollector
 from sidecar.protocol import AllocatorState
-from sidecar.signals import BASE_LABELS, MetricType, Signal
+from sidecar.signals import Signal
+
+log = logging.getLogger(__name__)
 
 
 def fragmentation_ratio(state: AllocatorState) -> float:
@@ -105,83 +110,105 @@ COLLECTED = {S.ALLOCATIONS.name, S.ALLOCATION_FAILURES.name, S.USAGE_RATIO.name,
 
 
 class Metrics:
-    """All of the sidecar's series for one engine/model, on a registry of its own."""
+    """All of the sidecar's series for one engine/model, on a registry of its own.
+
+    The values live in :class:`sidecar.instruments.Instruments` (plain cells the hot path
+    updates in place); ``registry`` is a prometheus-client ``CollectorRegistry`` that reads
+    them at scrape time, next to the engine-owned :class:`AllocatorCollector`, and it is the
+    one registry every exporter reads (``/metrics``, OpenTelemetry push). ``value`` and
+    ``by_label`` read the cells directly (for ``/status`` and the demo summary).
+    """
 
     def __init__(self, engine: str, model: str,
                  registry: CollectorRegistry | None = None,
                  extra_signals: Iterable[Signal] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.base = {"engine": engine, "model": model}
-        self._instruments: dict[str, Any] = {}
-        self._children: dict[tuple[str, ...], Any] = {}
-        self._mirrors: list[Any] = []
+        signals = [s for s in (*S.ALL_SIGNALS, *extra_signals) if s.name not in COLLECTED]
+        self.instruments = Instruments(signals, self.base)
+        self.registry.register(InstrumentsCollector(self.instruments))
         self.allocator = AllocatorCollector(dict(self.base))
         self.registry.register(self.allocator)
-        for sig in (*S.ALL_SIGNALS, *extra_signals):
-            if sig.name not in COLLECTED:
-                self._instruments[sig.name] = self._make(sig)
+        self._invalid_logged: set[str] = set()
         self.gauge(S.BUILD_INFO, version=__version__).set(1)
 
-    def _make(self, sig: Signal) -> Any:
-        labels = [*BASE_LABELS, *sig.labels]
-        if sig.type is MetricType.COUNTER:
-            return Counter(sig.base_name, sig.help, labels, registry=self.registry)
-        if sig.type is MetricType.HISTOGRAM:
-            return Histogram(sig.name, sig.help, labels, registry=self.registry,
-                             buckets=sig.buckets)
-        return Gauge(sig.name, sig.help, labels, registry=self.registry)
-
-    def _child(self, sig: Signal, labels: dict[str, str]) -> Any:
-        # Children are cached: labels() costs a lock and a dict build on every call, and
-        # the hot path updates a handful of fixed series.
-        key = (sig.name, *(labels.get(k, "") for k in sig.labels))
-        child = self._children.get(key)
-        if child is None:
-            missing = set(sig.labels) - set(labels)
-            if missing:
-                raise ValueError(f"{sig.name} needs labels {sorted(missing)}")
-            inst = self._instruments[sig.name]
-            child = inst.labels(**self.base, **{k: labels[k] for k in sig.labels})
-            self._children[key] = child
-        return child
+    def cell(self, sig: Signal, **labels: str) -> Any:
+        """The series itself (a :class:`Cell` or :class:`Hist`), for hot paths that update
+        it in place: ``cell.value += 1`` costs an attribute add, no lookup."""
+        return self.instruments.family(sig).child(labels)
 
     # The update surface: small, named by what happened.
     def inc(self, sig: Signal, amount: float = 1.0, **labels: str) -> None:
-        self._child(sig, labels).inc(amount)
-        for m in self._mirrors:
-            m.inc(sig, amount, {**self.base, **labels})
+        """Add ``amount`` (>= 0, finite; anything else is refused and logged once: a counter
+        never goes down or to NaN because a peer sent a bad number)."""
+        if not 0.0 <= amount < math.inf:
+            self._invalid(sig, amount)
+            return
+        self.instruments.family(sig).child(labels).value += amount
 
     def observe(self, sig: Signal, value: float, **labels: str) -> None:
-        self._child(sig, labels).observe(value)
-        for m in self._mirrors:
-            m.observe(sig, value, {**self.base, **labels})
+        if not math.isfinite(value):
+            self._invalid(sig, value)
+            return
+        self.instruments.family(sig).child(labels).observe(value)
 
     def gauge(self, sig: Signal, **labels: str) -> Any:
-        return self._child(sig, labels)
+        return self.instruments.family(sig).child(labels)
 
-    def add_mirror(self, mirror: Any) -> None:
-        """Send every counter/histogram update to ``mirror`` too (OpenTelemetry)."""
-        self._mirrors.append(mirror)
+    def _invalid(self, sig: Signal, amount: float) -> None:
+        if sig.name not in self._invalid_logged:
+            self._invalid_logged.add(sig.name)
+            log.warning("refused update of %s by %r (not a finite, non-negative amount)",
+                        sig.name, amount)
 
+    # Reading the sidecar's own state (never prometheus-client's test API).
     def value(self, name: str, **labels: str) -> float:
-        """Current value of a sample (0.0 when absent): for summaries and tests."""
-        v = self.registry.get_sample_value(name, {**self.base, **labels})
-        return float(v) if v is not None else 0.0
+        """Current value of one series (0.0 when absent): for summaries and tests."""
+        fam, suffix = self._family_of(name)
+        if fam is None:
+            v = self.registry.get_sample_value(name, {**self.base, **labels})
+            return float(v) if v is not None else 0.0
+        try:
+            key = tuple(str(labels[n]) for n in fam.signal.labels)
+        except KeyError:
+            return 0.0
+        return _read(fam.series.get(key), suffix)
 
     def value_sum(self, name: str) -> float:
-        """Sum of a family's samples named ``name`` over all label values."""
-        return sum(v for v in self.by_label_all(name))
-
-    def by_label_all(self, name: str) -> list[float]:
-        return [sample.value for family in self.registry.collect()
-                for sample in family.samples if sample.name == name]
+        """Sum of a family's series over all label values."""
+        fam, suffix = self._family_of(name)
+        if fam is None:
+            return sum(sample.value for family in self.registry.collect()
+                       for sample in family.samples if sample.name == name)
+        return sum(_read(s, suffix) for s in list(fam.series.values()))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
-        """``{label value: total}`` of a labelled family, summed over other labels."""
+        """``{label value: total}`` of a labelled family, summed over other labels (zero
+        series left out)."""
+        fam, suffix = self._family_of(name)
         out: dict[str, float] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name == name and label in sample.labels and sample.value:
-                    key = sample.labels[label]
-                    out[key] = out.get(key, 0.0) + sample.value
+        if fam is None or label not in fam.signal.labels:
+            return out
+        i = fam.signal.labels.index(label)
+        for key, s in list(fam.series.items()):
+            v = _read(s, suffix)
+            if v:
+                out[key[i]] = out.get(key[i], 0.0) + v
         return out
+
+    def _family_of(self, name: str) -> tuple[Family | None, str]:
+        fams = self.instruments.families
+        if name in fams:
+            return fams[name], ""
+        for suffix in ("_count", "_sum"):
+            if name.endswith(suffix) and name[: -len(suffix)] in fams:
+                return fams[name[: -len(suffix)]], suffix
+        return None, ""
+
+
+def _read(series: Cell | Hist | None, suffix: str) -> float:
+    if series is None:
+        return 0.0
+    if isinstance(series, Hist):
+        return float(series.count) if suffix != "_sum" else series.sum
+    return series.value

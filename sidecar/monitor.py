@@ -33,6 +33,8 @@ from sidecar.protocol import (
     Adapter,
     AllocatorIntrospection,
     AllocatorState,
+    BlockKV,
+    BlockRef,
     BlockTableSnapshot,
     EngineInfo,
     Hit,
@@ -72,6 +74,10 @@ class SidecarConfig:
     lifecycle_window: int = 2048  # full-rate lifecycle events kept in memory for evidence
     lifecycle_burst: int = 256  # events logged at full rate after an anomaly
     leak_window: int = 8  # polls the leak trend test looks at
+    # Capture at match time: where the adapter offers ``capture`` (served bytes copied before
+    # the hook returns), at most this many bytes per sample (larger captures are skipped).
+    capture: bool = True
+    capture_max_bytes: int = 64 * 2**20
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
@@ -108,12 +114,12 @@ class Monitor:
         self._sampler_store = getattr(self.sampler, "observe_store", None)
         self._sampler_free = getattr(self.sampler, "observe_free", None)
         self._sampler_release = getattr(self.sampler, "observe_release", None)
+        self.stored = StoreIndex(self.config.store_records)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(self.config.recompute_tokens_per_s),
-                                 recompute=self.config.recompute)
+                                 recompute=self.config.recompute, epoch_of=self.stored.epoch)
         self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
         self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
-        self.stored = StoreIndex(self.config.store_records)
         self._group_labels = {g.group_id: g.label for g in self.info.groups}
         self._latencies: deque[float] = deque(maxlen=self.config.latency_window)
         self._worker: threading.Thread | None = None
@@ -122,6 +128,16 @@ class Monitor:
         self._hook_error_logged: set[str] = set()
         self.requests_done = 0
         self._init_series()
+        m = self.metrics
+        # The hot path updates these cells in place (sidecar.instruments): no lookups.
+        self._c_lookups = m.cell(S.LOOKUPS)
+        self._c_query_tokens = m.cell(S.QUERY_TOKENS)
+        self._c_hits = m.cell(S.HITS)
+        self._c_hit_tokens = m.cell(S.HIT_TOKENS)
+        self._h_latency = m.cell(S.REQUEST_LATENCY)
+        self._should_sample = self.sampler.should_sample
+        capture = getattr(adapter, "capture", None) if self.config.capture else None
+        self._capture = capture if callable(capture) else None
         self.first_anomaly_request: int | None = None
         self.max_recompute_error = 0.0
         c = self.config
@@ -155,19 +171,15 @@ class Monitor:
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
-            m = self.metrics
-            m.inc(S.LOOKUPS)
-            m.inc(S.QUERY_TOKENS, lookup.query_tokens)
+            self._c_lookups.value += 1
+            self._c_query_tokens.value += lookup.query_tokens
             hit = lookup.hit
-            if lookup.hit_tokens <= 0 or hit is None:
+            if hit is None or lookup.hit_tokens <= 0:
                 return
-            m.inc(S.HITS)
-            m.inc(S.HIT_TOKENS, lookup.hit_tokens)
-            for group_id, blocks in hit.blocks.items():
-                self.lifecycle.record(LifecycleOp.HIT, group_id, lookup.seq_id, blocks,
-                                      hit.generations.get(group_id, ()), lookup.hit_tokens)
-            if self.sampler.should_sample(hit):
-                self._enqueue(hit)
+            self._c_hits.value += 1
+            self._c_hit_tokens.value += lookup.hit_tokens
+            if self._should_sample(hit):
+                self._enqueue(hit, lookup.seq_id, lookup.hit_tokens)
         except Exception as exc:
             self._hook_failed("on_lookup", exc)
 
@@ -214,23 +226,51 @@ class Monitor:
 
     def on_request_done(self, latency_seconds: float) -> None:
         try:
+            self._h_latency.observe(latency_seconds)
             self.requests_done += 1
             self._latencies.append(latency_seconds)
-            self.metrics.observe(S.REQUEST_LATENCY, latency_seconds)
             if self._trigger is not None:
                 self._trigger.nudge()
         except Exception as exc:
             self._hook_failed("on_request_done", exc)
 
     def _sample(self, hit: Hit) -> Sample | None:
-        """The blocks to check and their store records as they are now (hit time)."""
+        """The blocks to check, their store records and epochs as they are now (match
+        time), and, where the adapter can, a capture of the KV the request is served."""
         refs = tuple(self.sampler.choose(hit, self.info.block_size,
                                          self.config.blocks_per_sample))
         if not refs:
             return None
-        return Sample(hit, refs, self.stored.snapshot(refs), time.time())
+        records, epochs = self.stored.snapshot(refs)
+        return Sample(hit, refs, records, time.time(), epochs, self._capture_now(hit, refs))
 
-    def _enqueue(self, hit: Hit) -> None:
+    def _capture_now(self, hit: Hit, refs: tuple[BlockRef, ...]
+                     ) -> dict[BlockRef, BlockKV] | None:
+        """The served bytes of ``refs``, copied on the engine's thread before the hook
+        returns (bounded in bytes); ``None`` when the adapter cannot or the copy failed."""
+        if self._capture is None:
+            return None
+        try:
+            blocks = self._capture(hit, refs)
+        except Exception as exc:
+            self._hook_failed("capture", exc)
+            return None
+        out: dict[BlockRef, BlockKV] = {}
+        size = 0
+        for b in blocks:
+            if b.ref in refs:
+                size += b.key.numel() * b.key.element_size() * 2
+                out[b.ref] = b
+        if size > self.config.capture_max_bytes:
+            self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.CAPTURE_TOO_LARGE.value)
+            return None
+        return out
+
+    def _enqueue(self, hit: Hit, seq_id: SequenceId | None = None,
+                 hit_tokens: int | None = None) -> None:
+        for group_id, blocks in hit.blocks.items():  # sampled hits only: O(prefix) is fine
+            self.lifecycle.record(LifecycleOp.HIT, group_id, seq_id, blocks,
+                                  hit.generations.get(group_id, ()), hit_tokens)
         sample = self._sample(hit)
         if sample is None:
             return
@@ -283,7 +323,7 @@ class Monitor:
 
     def verify(self, hit: Hit) -> Verdict:
         """Verify one hit now, synchronously (tests, benchmarks, on-demand checks)."""
-        sample = self._sample(hit) or Sample(hit, (), {}, time.time())
+        sample = self._sample(hit) or Sample(hit, (), {}, time.time(), {}, None)
         verdict = self.verifier.verify(sample)
         self.apply(verdict)
         return verdict

@@ -131,11 +131,29 @@ class Hit:
 class StoredBlock:
     """A full block written and indexed by the engine (an entry was added to the cache).
 
+    A *block* is whatever unit the engine indexes and the adapter can read back by
+    ``(group_id, block_id)``: a page of a paged pool (vLLM, the reference engine), a radix
+    node's run of token slots in a slot/radix engine (SGLang-style: ``block_id`` is the
+    node's id or its first slot), or an entry of an offload tier. The sidecar never
+    interprets the id; it only asks the adapter about it and keeps an epoch per id (see
+    :mod:`sidecar.store_index`).
+
     ``tokens`` are the tokens of this block only; ``prefix_tokens`` the number of tokens
-    before it (so block ``i`` has ``prefix_tokens == i * block_size``). ``parent_digest``
-    is the sidecar's token digest of the parent block, when the engine knows it; the
-    monitor chains digests itself when it is absent. ``kv_digest`` is an optional write-time
-    fingerprint of the block's KV bytes (see :mod:`sidecar.checks.fingerprint`).
+    before it (so block ``i`` has ``prefix_tokens == i * block_size``). How the sidecar
+    learns what precedes the block, so a hit's tokens can be checked against it (any one):
+
+    * ``prefix_digest``: the sidecar's chained digest of the tokens before the block
+      (:func:`sidecar.checks.keys.prefix_digest`), for engines that know the whole prefix
+      (radix trees) and no parent block;
+    * ``parent_block_id``: the block before it, whose own store the sidecar saw (paged
+      engines); the sidecar chains digests itself;
+    * neither: the block's key fields and content are still checked, its tokens only when
+      it is the first block.
+
+    ``kv_digest`` is an optional write-time fingerprint of the block's KV bytes
+    (:mod:`sidecar.checks.fingerprint`). ``generation`` is the engine's allocation stamp
+    where it keeps one (0 where it does not: the sidecar's own epochs make stamps an
+    optimisation, not a requirement).
     """
 
     group_id: int
@@ -147,6 +165,7 @@ class StoredBlock:
     parent_block_id: int | None = None
     kv_digest: str | None = None
     seq_id: SequenceId | None = None  # the sequence that wrote it, for the lifecycle log
+    prefix_digest: int | None = None
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,10 @@ class AnomalyKind(enum.StrEnum):
     KEY_FIELDS_MISMATCH = "key_fields_mismatch"  # key fields at hit differ from store
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # KV bytes changed since the write
     RECOMPUTE_MISMATCH = "recompute_mismatch"  # cached KV differs from recompute
+    # The KV captured when the request was served and the KV read later differ although the
+    # block was neither freed nor stored again in between: it changed in place after
+    # serving (a late write landing, a bit flip). What was served is judged on the capture.
+    CHANGED_AFTER_SERVING = "changed_after_serving"
 
 
 class InvariantKind(enum.StrEnum):
@@ -211,7 +215,10 @@ class DropReason(enum.StrEnum):
     BUDGET = "budget"  # recompute budget exhausted
     ADAPTER_ERROR = "adapter_error"
     ADAPTER_TIMEOUT = "adapter_timeout"
-    EVICTED_BEFORE_READ = "evicted_before_read"  # block legitimately reused before we read
+    # The block was freed or stored again (the sidecar's own epoch moved) between the match
+    # and the sidecar's read: legitimately reused, so the read is not compared.
+    EVICTED_BEFORE_READ = "evicted_before_read"
+    CAPTURE_TOO_LARGE = "capture_too_large"  # served-KV capture over capture_max_bytes
     SHUTDOWN = "shutdown"
 
 

@@ -1,16 +1,27 @@
-"""What the sidecar remembers of stored blocks: a bounded LRU of :class:`StoreRecord`.
+"""What the sidecar remembers of stored blocks: a bounded LRU of :class:`StoreRecord`, and
+an epoch per block id.
 
 At store time each block's allocation generation, chained token digest, key fields and
 optional KV digest are recorded; at a sampled hit the records of the chosen blocks are
 snapshotted so the verifier compares the hit with what was written, not with what the
 block holds by the time the worker gets to it. Bounded: the oldest records go first, and a
 block without a record simply skips the key checks (never a false alarm).
+
+**Epochs are the sidecar's own, not the engine's.** Every ``on_store`` and ``on_free`` of a
+block id bumps its epoch. A sample notes each block's epoch at match time; when the verifier
+reads the block later and the epoch moved, the block was freed or stored again in between:
+legitimate reuse, so the read is dropped (``evicted_before_read``), never compared. Engines
+need no generation stamps for this (stamps still catch a different bug: a block handed out
+again *while still indexed*). The epoch table is bounded too; when it is cleared, every
+in-flight sample sees a moved epoch and is dropped, the safe direction.
+
+Hot path: ``record`` and ``forget`` are O(block tokens) and O(ids) in C-level work (a dict
+update, a tuple hash) under one uncontended lock.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from sidecar.checks.keys import StoreRecord, token_digest
@@ -18,40 +29,71 @@ from sidecar.protocol import BlockRef, StoredBlock
 
 
 class StoreIndex:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_epochs: int | None = None) -> None:
         self.capacity = capacity
-        self._records: OrderedDict[tuple[int, int], StoreRecord] = OrderedDict()
+        self.max_epochs = max_epochs if max_epochs is not None else 4 * capacity
+        self._records: dict[tuple[int, int], StoreRecord] = {}
+        self._epochs: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
+        self.epoch_resets = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
     def record(self, block: StoredBlock) -> None:
-        """Remember a stored block, chaining its token digest on its parent's record."""
-        key = (block.group_id, block.block_id)
+        """Remember a stored block, chaining its token digest on its parent's record (or on
+        the prefix digest the engine gave)."""
+        gid = block.group_id
+        key = (gid, block.block_id)
+        prefix = block.prefix_tokens
         with self._lock:
-            parent = (self._records.get((block.group_id, block.parent_block_id))
-                      if block.parent_block_id is not None else None)
-            first = block.prefix_tokens == 0
-            # A digest is only comparable when the whole chain up to it was seen.
-            chained = first or (parent is not None and parent.chained
-                                and parent.prefix_tokens + len(block.tokens)
-                                == block.prefix_tokens)
-            digest = token_digest(None if first or parent is None else parent.digest,
-                                  block.tokens)
-            self._records[key] = StoreRecord(block.generation, digest, chained,
-                                             block.prefix_tokens, dict(block.key_fields),
-                                             block.kv_digest)
-            self._records.move_to_end(key)
-            while len(self._records) > self.capacity:
-                self._records.popitem(last=False)
+            records = self._records
+            if prefix == 0:
+                parent_digest, chained = None, True
+            elif block.prefix_digest is not None:
+                parent_digest, chained = block.prefix_digest, True
+            else:
+                pid = block.parent_block_id
+                parent = records.get((gid, pid)) if pid is not None else None
+                # A digest is only comparable when the whole chain up to it was seen.
+                chained = (parent is not None and parent.chained
+                           and parent.prefix_tokens + len(block.tokens) == prefix)
+                parent_digest = parent.digest if parent is not None else None
+            epochs = self._epochs
+            epoch = epochs.get(key, 0) + 1
+            epochs[key] = epoch
+            records.pop(key, None)  # re-inserted last: LRU order
+            records[key] = StoreRecord(block.generation,
+                                       token_digest(parent_digest, block.tokens), chained,
+                                       prefix, dict(block.key_fields), block.kv_digest, epoch)
+            if len(records) > self.capacity:
+                del records[next(iter(records))]
+            if len(epochs) > self.max_epochs:
+                self._reset_epochs()
 
     def forget(self, group_id: int, block_ids: Iterable[int]) -> None:
         """Blocks that left the engine's index: their records no longer describe them."""
         with self._lock:
+            records, epochs = self._records, self._epochs
             for b in block_ids:
-                self._records.pop((group_id, int(b)), None)
+                key = (group_id, int(b))
+                records.pop(key, None)
+                epochs[key] = epochs.get(key, 0) + 1
+            if len(epochs) > self.max_epochs:
+                self._reset_epochs()
 
-    def snapshot(self, refs: Sequence[BlockRef]) -> dict[BlockRef, StoreRecord | None]:
+    def _reset_epochs(self) -> None:
+        self._epochs.clear()
+        self.epoch_resets += 1
+
+    def epoch(self, group_id: int, block_id: int) -> int:
+        """The block's current epoch (0 when never seen, or after a reset)."""
+        return self._epochs.get((group_id, block_id), 0)
+
+    def snapshot(self, refs: Sequence[BlockRef]
+                 ) -> tuple[dict[BlockRef, StoreRecord | None], dict[BlockRef, int]]:
+        """Records and epochs of ``refs`` as they are now (at match time)."""
         with self._lock:
-            return {r: self._records.get((r.group_id, r.block_id)) for r in refs}
+            recs = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
+            epochs = {r: self._epochs.get((r.group_id, r.block_id), 0) for r in refs}
+        return recs, epochs

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from sidecar.checks.base import Finding
 from sidecar.checks.content import check_content
 from sidecar.checks.fingerprint import check_fingerprint
@@ -33,12 +35,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sample:
-    """What the hot path captured for one sampled hit."""
+    """What the hot path took for one sampled hit, at match time: the blocks chosen, their
+    store records and the sidecar's epochs for them, and (where the adapter offers
+    ``capture``) a copy of the KV the request was served."""
 
     hit: Hit
     refs: tuple[BlockRef, ...]
     records: Mapping[BlockRef, StoreRecord | None]
     captured_at: float
+    epochs: Mapping[BlockRef, int] = field(default_factory=dict)
+    captured: Mapping[BlockRef, BlockKV] | None = None
 
 
 @dataclass
@@ -90,8 +96,10 @@ class Verifier:
     """Runs the checks of one sample against an adapter (see the module docstring)."""
 
     def __init__(self, adapter: Adapter, info: EngineInfo, guard: Guard,
-                 budget: TokenBucket, recompute: bool = True) -> None:
+                 budget: TokenBucket, recompute: bool = True,
+                 epoch_of: Callable[[int, int], int] | None = None) -> None:
         self.adapter = adapter
+        self.epoch_of = epoch_of
         self.info = info
         self.guard = guard
         self.budget = budget
@@ -125,18 +133,31 @@ class Verifier:
                 condemned.add(ref)
                 verdict.findings.extend(found)
 
-        cached = self._call("read", self.adapter.read, verdict, hit, refs,
-                            len(refs) - len(condemned))
-        passed: list[BlockKV] = []
+        # What was served: the capture where there is one, else the block as read now.
+        # A captured block is read too, to tell "changed after serving" apart.
+        captured = sample.captured or {}
+        undecided = [r for r in refs if r not in condemned]
+        served: dict[BlockRef, BlockKV] = {r: captured[r] for r in undecided if r in captured}
+        cached = self._call("read", self.adapter.read, verdict, hit, undecided,
+                            len(undecided) - len(served)) if undecided else []
         for block in cached or []:
             ref = block.ref
-            if ref in condemned:
+            if ref in condemned or ref not in undecided:
                 continue
-            at_hit = _generation_at_hit(hit, ref)
-            if block.generation is not None and at_hit is not None \
-                    and block.generation != at_hit:
-                _drop(verdict, DropReason.EVICTED_BEFORE_READ)
+            if self._moved(sample, ref, block):
+                if ref not in served:  # reused before we read: nothing to compare
+                    _drop(verdict, DropReason.EVICTED_BEFORE_READ)
                 continue
+            first = served.get(ref)
+            if first is None:
+                served[ref] = block
+            elif not _same_bytes(first, block):
+                verdict.findings.append(Finding(
+                    AnomalyKind.CHANGED_AFTER_SERVING, ref.group_id, ref.index,
+                    f"block {ref.block_id} changed in place after it was served "
+                    "(neither freed nor stored again since the match)"))
+        passed: list[BlockKV] = []
+        for ref, block in served.items():
             n_layers = self._layers.get(ref.group_id, block.key.shape[0])
             found = check_structure(block, self.info, n_layers) or check_content(block)
             if not found:
@@ -155,6 +176,16 @@ class Verifier:
             verdict.verified.extend(b.ref for b in passed)
             return
         self._compare(hit, passed, verdict)
+
+    def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
+        """Whether the block was freed or stored again between the match and this read: the
+        sidecar's epoch moved, or the engine's generation stamp did."""
+        if self.epoch_of is not None and ref in sample.epochs \
+                and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]:
+            return True
+        at_hit = _generation_at_hit(sample.hit, ref)
+        return block.generation is not None and at_hit is not None \
+            and block.generation != at_hit
 
     def _compare(self, hit: Hit, blocks: Sequence[BlockKV], verdict: Verdict) -> None:
         cost = (max(b.ref.index for b in blocks) + 1) * self.info.block_size
@@ -203,6 +234,11 @@ class Verifier:
 def _generation_at_hit(hit: Hit, ref: BlockRef) -> int | None:
     gens = hit.generations.get(ref.group_id)
     return int(gens[ref.index]) if gens is not None and ref.index < len(gens) else None
+
+
+def _same_bytes(a: BlockKV, b: BlockKV) -> bool:
+    return (a.key.shape == b.key.shape and a.value.shape == b.value.shape
+            and bool(torch.equal(a.key, b.key)) and bool(torch.equal(a.value, b.value)))
 
 
 def _drop(verdict: Verdict, reason: DropReason, n: int = 1) -> None:

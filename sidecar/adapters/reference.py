@@ -70,6 +70,20 @@ class ReferenceAdapter:
             out.append(BlockKV(ref, key, value, generation=max(before, after)))
         return out
 
+    def capture(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """Copies of the blocks as the request is served them (optional capability: the
+        Monitor calls it on the engine's thread, inside ``on_lookup``, for sampled hits
+        only, before the engine's prefill gathers these blocks)."""
+        pool = self.engine.pool
+        out: list[BlockKV] = []
+        with self.engine.lock:
+            for ref in refs:
+                self._check(ref)
+                key, value = pool.read_block(ref.block_id)
+                out.append(BlockKV(ref, key, value, generation=pool.blocks[ref.block_id]
+                                   .generation))
+        return out
+
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         """KV of ``hit.tokens`` up to the end of the last ref's block, computed from
         scratch with the hit's own adapter: what the cache should have held."""

@@ -12,8 +12,10 @@ log stays affordable, and full detail around an anomaly. This module does both:
 * a **burst**: after an anomaly, the next ``burst`` events are logged at full rate, so what
   happens to the bad blocks next is on record too ("always on around an anomaly").
 
-``record`` is the hot path: one tuple, one deque append and a countdown under a lock the
-engine thread rarely contends (readers copy the deque under it, off the engine thread).
+``record`` is the hot path: one plain tuple appended to a bounded deque (atomic in CPython)
+and a countdown, no lock; readers turn tuples into :class:`LifecycleEvent` off the engine's
+thread. Hits are recorded for sampled hits only (the Monitor's choice): a hit names every
+block of its prefix, and copying those on every lookup would make the hot path O(prefix).
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class LifecycleLog:
             raise ValueError("window and kept must be >= 1, burst >= 0")
         self.every = round(1 / sample_rate) if sample_rate > 0 else 0
         self.burst = burst
-        self._window: deque[LifecycleEvent] = deque(maxlen=window)
-        self._kept: deque[LifecycleEvent] = deque(maxlen=kept)
+        self._window: deque[tuple[Any, ...]] = deque(maxlen=window)
+        self._kept: deque[tuple[Any, ...]] = deque(maxlen=kept)
         self._countdown = self.every
         self._burst_left = 0
         self._lock = threading.Lock()
@@ -87,25 +89,23 @@ class LifecycleLog:
     def record(self, op: LifecycleOp, group_id: int, seq_id: SequenceId | None,
                block_ids: Sequence[int], generations: Sequence[int] = (),
                length: int | None = None) -> None:
-        """One event (hot path)."""
-        blocks, gens, now = tuple(block_ids), tuple(generations), time.time()
-        keep = False
-        with self._lock:
-            self.events += 1
-            ev = LifecycleEvent(self.events, now, op, group_id, seq_id, blocks, gens, length)
-            self._window.append(ev)
-            if self._burst_left > 0:
-                self._burst_left -= 1
-                keep = True
-            elif self.every:
-                self._countdown -= 1
-                if self._countdown <= 0:
-                    self._countdown = self.every
-                    keep = True
-            if keep:
-                self._kept.append(ev)
-        if keep and log.isEnabledFor(logging.INFO):
-            log.info("block lifecycle: %s", ev)
+        """One event (hot path: see the module docstring)."""
+        self.events = n = self.events + 1
+        ev = (n, time.time(), op, group_id, seq_id, tuple(block_ids), tuple(generations),
+              length)
+        self._window.append(ev)
+        if self._burst_left > 0:
+            self._burst_left -= 1
+        elif self.every:
+            self._countdown -= 1
+            if self._countdown > 0:
+                return
+            self._countdown = self.every
+        else:
+            return
+        self._kept.append(ev)
+        if log.isEnabledFor(logging.INFO):
+            log.info("block lifecycle: %s", LifecycleEvent(*ev))
 
     def trigger(self) -> None:
         """An anomaly fired: log the next ``burst`` events at full rate."""
@@ -118,14 +118,25 @@ class LifecycleLog:
         oldest first: how those blocks got where they are."""
         blocks = frozenset(block_ids)
         with self._lock:
-            events = {e.n: e for e in self._kept}
-            events.update((e.n, e) for e in self._window)
-        hits = sorted((e for e in events.values() if e.names(group_id, blocks)),
-                      key=lambda e: e.n)
+            raw = {e[0]: e for e in _copy(self._kept)}
+            raw.update((e[0], e) for e in _copy(self._window))
+        events = [LifecycleEvent(*e) for e in raw.values()]
+        hits = sorted((e for e in events if e.names(group_id, blocks)), key=lambda e: e.n)
         return [e.as_dict() for e in hits[-limit:]]
 
     def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The newest ``n`` sampled (or burst) events."""
         with self._lock:
-            kept = list(self._kept)[-n:]
-        return [e.as_dict() for e in kept]
+            kept = _copy(self._kept)[-n:]
+        return [LifecycleEvent(*e).as_dict() for e in kept]
+
+
+def _copy(events: deque[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A list copy of a deque the engine thread appends to without a lock: ``list(deque)``
+    raises if an append lands mid-copy, so retry (appends are short and rare enough)."""
+    for _ in range(100):
+        try:
+            return list(events)
+        except RuntimeError:
+            continue
+    return []

@@ -11,42 +11,58 @@ that changes KV (adapter, revision, salt).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from sidecar.checks.base import Finding
 from sidecar.protocol import BlockRef, Hit
 from sidecar.signals import AnomalyKind
 
-ROOT_DIGEST = b"kvsidecar-root"
+ROOT_DIGEST = 0x6B7673696465636172  # "kvsidecar": the parent of every first block
 
 
-def token_digest(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Digest of one block's tokens chained on its parent's digest (``None``: first block)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent if parent is not None else ROOT_DIGEST)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+def token_digest(parent: int | None, tokens: Sequence[int]) -> int:
+    """Digest of one block's tokens chained on its parent's digest (``None``: first block).
+
+    CPython's tuple hash (xxHash-style mixing, done in C; deterministic for ints, which are
+    not salted) over ``(parent, tokens)``: on the engine's store hook, this costs a tuple
+    copy of the block's tokens instead of a Python-level hash of their bytes. 64 bits is
+    ample to tell a hit's tokens from the stored ones (the sidecar checks an engine's
+    honesty, not an adversary's collisions); the engine's own key hash stays its business.
+    """
+    return hash((ROOT_DIGEST if parent is None else parent, tuple(tokens)))
 
 
-@dataclass(frozen=True)
-class StoreRecord:
-    """What the monitor remembers of a stored block (bounded LRU, see Monitor)."""
+def prefix_digest(tokens: Sequence[int], block_size: int) -> int | None:
+    """The chained digest of ``tokens`` (whole blocks), as :class:`StoredBlock` takes it in
+    ``prefix_digest`` for the block that follows them; ``None`` for an empty prefix."""
+    digest: int | None = None
+    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        digest = token_digest(digest, tokens[start:start + block_size])
+    return digest
+
+
+class StoreRecord(NamedTuple):
+    """What the monitor remembers of a stored block (bounded LRU, see Monitor).
+
+    ``epoch`` is the sidecar's own count of store/free events seen for the block id (see
+    :mod:`sidecar.store_index`): a different epoch later means the block was freed or
+    stored again since, whatever stamps the engine keeps.
+    """
 
     generation: int
-    digest: bytes  # chained token digest, valid only when ``chained``
+    digest: int  # chained token digest, valid only when ``chained``
     chained: bool
     prefix_tokens: int
     key_fields: Mapping[str, str]
     kv_digest: str | None = None
+    epoch: int = 0
 
 
-def hit_digests(hit: Hit, block_size: int, upto_index: int) -> list[bytes]:
+def hit_digests(hit: Hit, block_size: int, upto_index: int) -> list[int]:
     """Chained token digests of the hit's blocks ``0..upto_index``."""
-    out: list[bytes] = []
-    parent: bytes | None = None
+    out: list[int] = []
+    parent: int | None = None
     for i in range(upto_index + 1):
         parent = token_digest(parent, hit.tokens[i * block_size:(i + 1) * block_size])
         out.append(parent)
@@ -54,7 +70,7 @@ def hit_digests(hit: Hit, block_size: int, upto_index: int) -> list[bytes]:
 
 
 def check_keys(hit: Hit, ref: BlockRef, record: StoreRecord | None, block_size: int,
-               generation_at_hit: int | None, digests: Sequence[bytes]) -> list[Finding]:
+               generation_at_hit: int | None, digests: Sequence[int]) -> list[Finding]:
     """Generation, token and key-field consistency of one block; no record, no verdict.
 
     ``digests`` are :func:`hit_digests` of the hit, covering at least ``ref.index``.
