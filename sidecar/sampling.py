@@ -54,12 +54,13 @@ class UniformSampler:
         self._lock = threading.Lock()
 
     def should_sample(self, hit: Hit) -> bool:
-        with self._lock:
-            self._countdown -= 1
-            if self._countdown > 0:
-                return False
-            self._countdown = self.every
-            return True
+        # No lock: the engine's hook thread is the only writer, and a decrement lost to a
+        # second hook thread shifts one sample by one hit, which no budget notices.
+        self._countdown -= 1
+        if self._countdown > 0:
+            return False
+        self._countdown = self.every
+        return True
 
     def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
         return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block)

@@ -218,6 +218,9 @@ class DropReason(enum.StrEnum):
     # The block was freed or stored again (the sidecar's own epoch moved) between the match
     # and the sidecar's read: legitimately reused, so the read is not compared.
     EVICTED_BEFORE_READ = "evicted_before_read"
+    # A captured block was freed or stored again after it was served: what was served is
+    # still verified (from the capture); only the later "changed after serving" read is not.
+    REUSED_AFTER_SERVING = "reused_after_serving"
     CAPTURE_TOO_LARGE = "capture_too_large"  # served-KV capture over capture_max_bytes
     SHUTDOWN = "shutdown"
 

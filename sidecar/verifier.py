@@ -144,9 +144,9 @@ class Verifier:
             ref = block.ref
             if ref in condemned or ref not in undecided:
                 continue
-            if self._moved(sample, ref, block):
-                if ref not in served:  # reused before we read: nothing to compare
-                    _drop(verdict, DropReason.EVICTED_BEFORE_READ)
+            if self._moved(sample, ref, block):  # legitimately reused since the match
+                _drop(verdict, DropReason.REUSED_AFTER_SERVING if ref in served
+                      else DropReason.EVICTED_BEFORE_READ)
                 continue
             first = served.get(ref)
             if first is None:
