@@ -148,7 +148,7 @@ def test_clean_engine_without_stamps_under_eviction_pressure_gives_no_false_alar
     """No generation stamps at all, no capture, a slow verifier and a pool small enough
     that blocks are reused under it: the sidecar's epochs drop the reused reads. >= 2,000
     verified blocks, zero anomalies."""
-    mon = _run(None, capture=False, delay_s=0.004, stamps=False, num_blocks=40,
+    mon = _run(None, capture=False, delay_s=0.015, stamps=False, num_blocks=40,
                requests=700, blocks_per_sample=16,
                workload=WorkloadConfig(conversations=140, max_turns=6, seed=5))
     verified = mon.metrics.value_sum(S.VERIFIED.name)
