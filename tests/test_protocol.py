@@ -127,6 +127,13 @@ def test_every_shipped_adapter_has_the_protocol_signatures():
         assert check_adapter(adapter) == [], type(adapter)
 
 
+def test_the_monitor_has_the_event_sink_signatures():
+    from sidecar.protocol import BlockLifecycleSink, EventSink
+
+    assert check_protocol(Monitor, EventSink) == []
+    assert check_protocol(Monitor, BlockLifecycleSink) == []
+
+
 def test_vllm_references_have_the_reference_signature():
     from sidecar.adapters.vllm.reference import EngineReference, HFReference, Reference
 
