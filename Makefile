@@ -1,6 +1,6 @@
 # kv-sidecar: two commands do all the set-up on a fresh machine.
 #   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
-#   make test   - build .venv (and .venv-vllm), run lint, unit, Prometheus/Alertmanager e2e and vLLM tests
+#   make test   - build .venv (and .venv-vllm), run lint, unit, lean-install, Prometheus/Alertmanager e2e and vLLM tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-e2e test-vllm bench stack clean
+.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[demo,hf,events,dev]'
 	touch $@
 
 demo: venv
@@ -33,10 +33,14 @@ test-unit: venv
 test-e2e: venv
 	bash scripts/test-e2e.sh
 
+# `pip install .` in a fresh venv: runtime dependencies only, the CLI names missing extras.
+test-lean:
+	bash scripts/test-lean-install.sh
+
 test-vllm: venv
 	bash scripts/test-vllm.sh
 
-test: lint test-unit test-e2e test-vllm
+test: lint test-unit test-lean test-e2e test-vllm
 
 # Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
 stack: venv

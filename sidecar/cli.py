@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar import __version__
+from sidecar.extras import MissingExtra, require
 
 
 class UsageError(Exception):
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_faults() -> int:
+    require("faults")
     from sidecar.engines.reference.faults import FAULTS
 
     width = max(len(n) for n in FAULTS)
@@ -136,6 +138,7 @@ def cmd_signals(markdown: bool) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    require("demo")
     from sidecar.demo import DemoOptions, format_summary, run_demo
     from sidecar.engines.reference.faults import FAULTS
 
@@ -162,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["vllm"]:  # its own parser: every flag after `vllm` is the adapter's
+        try:
+            require("vllm")
+        except MissingExtra as exc:
+            print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+            return 2
         from sidecar.adapters.vllm.cli import main as vllm_main
 
         return vllm_main(argv[1:] or ["--help"])
@@ -178,12 +186,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "signals":
             return cmd_signals(args.markdown)
         if args.command == "bench":
+            require("bench")
             from sidecar.bench import run_bench
 
             return run_bench(args)
         parser.print_help()
         return 2
-    except UsageError as exc:
+    except (UsageError, MissingExtra) as exc:
         print(f"kv-sidecar: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Sequence
+
 import pytest
 
+import sidecar.adapters
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.conformance import check_adapter, check_protocol
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.guard import AdapterTimeout
 from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import Adapter, BlockRef, CacheGroup, EngineInfo, GroupKind, Hit
+from sidecar.protocol import (
+    Adapter,
+    AllocatorState,
+    BlockKV,
+    BlockRef,
+    CacheGroup,
+    EngineInfo,
+    GroupKind,
+    Hit,
+)
 from tests.toy import ToyAdapter, ToyEngine
 
 
@@ -64,3 +80,135 @@ def test_describe_failures_are_clear_errors_at_startup():
         Monitor(_BrokenDescribe(ToyEngine(sink=None)))
     with pytest.raises(AdapterTimeout, match="describe"):
         Monitor(_HangingDescribe(ToyEngine(sink=None)), SidecarConfig(adapter_timeout_s=0.1))
+
+
+# ---------------------------------------------------------------- signature conformance
+ADAPTER_METHODS = ("describe", "read", "recompute", "allocator")
+
+
+def _adapter_classes() -> dict[str, type]:
+    """Every class under sidecar.adapters that looks like an adapter (defines most of the
+    protocol's methods), so an adapter added later is checked without editing this test."""
+    found: dict[str, type] = {}
+    for info in pkgutil.walk_packages(sidecar.adapters.__path__, "sidecar.adapters."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] == "vllm":
+                continue  # the in-engine probe runs inside vLLM (tests/vllm covers it)
+            raise
+        for cls in vars(module).values():
+            if (inspect.isclass(cls) and cls.__module__ == module.__name__
+                    and sum(hasattr(cls, m) for m in ADAPTER_METHODS) >= 3):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def _vllm_info() -> EngineInfo:
+    return EngineInfo("vllm", "tiny", "local", "bfloat16", 16, 2, 16,
+                      (CacheGroup(0, GroupKind.FULL_ATTENTION, (0, 1)),))
+
+
+def test_every_shipped_adapter_has_the_protocol_signatures():
+    classes = _adapter_classes()
+    # Discovery must find the adapters we know of, or it proves nothing.
+    assert {"sidecar.adapters.reference.ReferenceAdapter",
+            "sidecar.adapters.vllm.adapter.VllmAdapter"} <= set(classes)
+    for cls in [*classes.values(), ToyAdapter]:
+        assert check_adapter(cls) == [], cls
+    from sidecar.adapters.vllm.adapter import VllmAdapter
+
+    instances = [ReferenceAdapter(ReferenceEngine(EngineConfig(num_blocks=16))),
+                 VllmAdapter(_vllm_info(), None), ToyAdapter(ToyEngine(sink=None))]
+    for adapter in instances:
+        assert isinstance(adapter, Adapter)
+        assert check_adapter(adapter) == [], type(adapter)
+
+
+def test_the_monitor_has_the_event_sink_signatures():
+    from sidecar.protocol import BlockLifecycleSink, EventSink
+
+    assert check_protocol(Monitor, EventSink) == []
+    assert check_protocol(Monitor, BlockLifecycleSink) == []
+
+
+def test_vllm_references_have_the_reference_signature():
+    from sidecar.adapters.vllm.reference import EngineReference, HFReference, Reference
+
+    for cls in (HFReference, EngineReference):
+        assert check_protocol(cls, Reference) == [], cls
+
+
+class _WrongArity:
+    def describe(self) -> EngineInfo: ...
+    def read(self, hit: Hit) -> list[BlockKV]: ...  # forgot refs
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
+    def allocator(self) -> AllocatorState | None: ...
+
+
+class _Swapped(_WrongArity):
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
+    def recompute(self, refs: Sequence[BlockRef], hit: Hit) -> list[BlockKV]: ...
+
+
+class _ExtraRequired(_Swapped):
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
+    def describe(self, verbose: bool) -> EngineInfo: ...
+
+
+class _KeywordOnly(_ExtraRequired):
+    def describe(self) -> EngineInfo: ...
+    def read(self, *, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
+
+
+class _Async(_KeywordOnly):
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
+    async def allocator(self) -> AllocatorState | None: ...
+
+
+class _BadIntrospection(_Async):
+    def allocator(self) -> AllocatorState | None: ...
+    def block_tables(self, group_id: int) -> list: ...
+
+
+@pytest.mark.parametrize(("cls", "expected"), [
+    (_WrongArity, "read() takes 1 positional argument(s), the protocol passes 2 (hit, refs)"),
+    (_Swapped, "recompute(): parameter 1 is 'refs', the protocol names it 'hit'"),
+    (_ExtraRequired, "describe(): requires 'verbose', which the protocol never passes"),
+    (_KeywordOnly, "read() takes 0 positional argument(s)"),
+    (_Async, "allocator() is async"),
+    (_BadIntrospection, "AllocatorIntrospection: block_tables(): requires 'group_id'"),
+])
+def test_wrong_signatures_pass_isinstance_but_not_the_conformance_check(cls, expected):
+    adapter = cls()
+    assert isinstance(adapter, Adapter)  # what the protocol alone lets through
+    problems = check_adapter(adapter)
+    assert any(expected in p for p in problems), problems
+    assert all(p.startswith(f"{cls.__name__}: ") for p in problems)
+
+
+def test_missing_and_non_callable_members_are_named():
+    class Partial:
+        describe = "not a method"
+
+        def read(self, hit, refs): ...
+
+    problems = check_adapter(Partial())
+    assert "Partial: Adapter: 'describe' is not callable" in problems
+    assert "Partial: Adapter: missing method 'recompute'" in problems
+    assert "Partial: Adapter: missing method 'allocator'" in problems
+
+
+def test_compatible_variations_conform():
+    class Lenient:
+        def describe(self, *args, **kwargs) -> EngineInfo: ...
+        def read(self, hit, refs, *, deadline: float = 1.0) -> list[BlockKV]: ...
+        def recompute(self, hit, refs, extra=None) -> list[BlockKV]: ...
+        @staticmethod
+        def allocator() -> AllocatorState | None: ...
+        def block_tables(self): ...
+
+    assert check_adapter(Lenient()) == []
+    assert check_adapter(Lenient) == []

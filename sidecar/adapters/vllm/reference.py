@@ -30,6 +30,7 @@ import torch
 
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import reference_salt
+from sidecar.extras import require
 from sidecar.protocol import AdapterError, BlockKV, BlockRef, EngineInfo, Hit
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class HFReference:
     name = "hf"
 
     def __init__(self, model_dir: str, info: EngineInfo) -> None:
+        require("hf-reference")  # transformers is the [hf] extra, not the lean runtime
         from transformers import AutoModelForCausalLM
 
         self.info = info

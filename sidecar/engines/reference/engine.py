@@ -28,107 +28,30 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from sidecar.engines.reference.config import DigestFn, EngineConfig
 from sidecar.engines.reference.faults import Fault, make_fault
-from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
+from sidecar.engines.reference.model import SequenceKV, TinyLlama
 from sidecar.engines.reference.pool import BlockHash, BlockPool, KeyFields, chain_hash
+from sidecar.engines.reference.sequence import (
+    GROUP_ID,
+    KEY_FIELD_NAMES,
+    Request,
+    Result,
+    RunningSequence,
+)
 from sidecar.engines.reference.tier import CpuTier, TierEntry
 from sidecar.engines.reference.truth import GroundTruth
 from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock
 
-GROUP_ID = 0
-KEY_FIELD_NAMES: tuple[str, ...] = ("model_revision", "adapter", "cache_salt")
-
-DigestFn = Callable[[torch.Tensor, torch.Tensor], str]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes the engine. ``kv_digest`` reports a write-time fingerprint of
-    each stored block (costs a hash of the block's bytes per store)."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    block_size: int = 16
-    num_blocks: int = 128
-    max_running: int = 4
-    kv_digest: bool = False
-    fault: str = "none"
-    fault_seed: int = 0
-    fault_start_after: int | None = None  # None: the fault's own default
-    fault_probability: float | None = None  # None: the fault's own default
-    fault_params: dict[str, Any] = field(default_factory=dict)  # fault-specific knobs
-    # Lossy KV storage ("int8": quantised values + per-row scales, see quant.py); None
-    # stores KV in the model dtype.
-    kv_storage: str | None = None
-    # Blocks the CPU offload tier holds (0 = no tier): evicted cached blocks spill there and
-    # a later lookup loads them back as hits (tier.py).
-    cpu_offload_blocks: int = 0
-    # Keep the ground truth of which blocks hold wrong KV (truth.py): for the detection
-    # benchmark; costs a shadow copy of the pool.
-    track_truth: bool = False
-    # Intra-op threads for torch (process-wide). The model's matmuls are tiny: extra threads
-    # buy nothing and, when the cores are shared (the sidecar's recompute, other processes),
-    # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
-    torch_threads: int | None = 1
-
-
-@dataclass
-class Request:
-    """A prompt and its context. ``key_fields`` holds the request's ``adapter`` and
-    ``cache_salt`` (missing = ""); the engine adds its own ``model_revision``."""
-
-    tokens: list[int]
-    key_fields: dict[str, str] = field(default_factory=dict)
-    max_new_tokens: int = 8
-    tag: str = ""  # free-form label (the workload puts conversation/turn here)
-
-
-@dataclass(frozen=True)
-class Result:
-    """What the engine did for one request."""
-
-    request_index: int
-    request: Request
-    output_tokens: tuple[int, ...]
-    prompt_tokens: int
-    hit_tokens: int
-    latency_s: float
-    rejected: bool = False
-
-
-@dataclass
-class RunningSequence:
-    """A live request: its block table per cache group and how far its KV is written."""
-
-    seq_id: int  # the request's index in submission order; also its pool holder id
-    request: Request
-    key_fields: KeyFields
-    tokens: list[int]  # prompt + generated so far
-    block_table: dict[int, list[int]]
-    block_hashes: list[BlockHash]
-    submitted: float
-    hit_tokens: int = 0
-    num_computed: int = 0  # positions whose KV is in the blocks
-    num_cached_blocks: int = 0  # leading full blocks already indexed (hit or stored)
-    output: list[int] = field(default_factory=list)
-    skip_write: set[int] = field(default_factory=set)  # blocks a fault keeps unwritten
-
-    @property
-    def adapter(self) -> str:
-        return dict(self.key_fields).get("adapter", "")
-
-    @property
-    def blocks(self) -> list[int]:
-        return self.block_table[GROUP_ID]
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.tokens)
+# Re-exported: callers (the adapter, the demo, the benchmark, tests) import these from here.
+__all__ = ["GROUP_ID", "KEY_FIELD_NAMES", "DigestFn", "EngineConfig", "ReferenceEngine",
+           "Request", "Result", "RunningSequence"]
 
 
 def _with_fault_needs(config: EngineConfig, fault: Fault) -> EngineConfig:

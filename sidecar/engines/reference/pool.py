@@ -21,138 +21,27 @@ Not thread-safe by itself: the engine serialises mutation and copies under its l
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+# The block types live in blocks.py and the snapshot in pool_view.py; re-exported here
+# because the faults, the tier and the tests import them from the pool.
+from sidecar.engines.reference.blocks import (
+    ROOT_HASH,
+    Allocation,
+    BlockData,
+    BlockHash,
+    BlockMeta,
+    KeyFields,
+    chain_hash,
+)
+from sidecar.engines.reference.pool_view import PoolView
 from sidecar.engines.reference.quant import check_storage, dequantize, quantize
 
-BlockHash = bytes
-KeyFields = tuple[tuple[str, str], ...]  # ordered (name, value) pairs the hash covers
-
-ROOT_HASH: BlockHash = hashlib.sha256(b"kv-sidecar/reference/root").digest()
-
-
-def chain_hash(parent: BlockHash | None, tokens: Sequence[int],
-               key_fields: KeyFields) -> BlockHash:
-    """SHA-256 over (parent hash, this block's token ids, the key fields).
-
-    Chaining makes a block's hash stand for the whole prefix up to its end; the key fields
-    make two contexts that produce different KV for the same tokens (model revision,
-    adapter, cache salt) land on different entries. Length prefixes keep the encoding
-    unambiguous.
-    """
-    h = hashlib.sha256(parent if parent is not None else ROOT_HASH)
-    h.update(len(tokens).to_bytes(4, "little"))
-    h.update(array("q", tokens).tobytes())
-    for name, value in key_fields:
-        for part in (name.encode(), value.encode()):
-            h.update(len(part).to_bytes(4, "little"))
-            h.update(part)
-    return h.digest()
-
-
-@dataclass(slots=True)
-class BlockMeta:
-    """Book-keeping of one physical block. ``tokens``/``key_fields``/``prefix_tokens``
-    describe the content its hash was computed over (set when it is cached)."""
-
-    block_id: int
-    ref_count: int = 0
-    generation: int = 0
-    block_hash: BlockHash | None = None
-    holders: Counter[int] = field(default_factory=Counter)  # holder -> references held
-    tokens: tuple[int, ...] = ()
-    key_fields: KeyFields = ()
-    prefix_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class BlockData:
-    """One block's stored bytes: K and V ``(layers, kv_heads, block_size, head_dim)`` in
-    the storage dtype, plus the per-row scales when the storage is quantised."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    key_scale: torch.Tensor | None = None
-    value_scale: torch.Tensor | None = None
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in (self.key, self.value, self.key_scale, self.value_scale)
-                     if t is not None)
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Blocks handed out by one allocation (``ok``), and the cached blocks evicted to make
-    room (their index entries are gone: the engine reports them as freed)."""
-
-    block_ids: tuple[int, ...]
-    evicted: tuple[int, ...]
-    ok: bool = True
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """A read-only snapshot of the pool's state for invariant checks and tests.
-
-    ``free`` is in allocation order, ``cached`` in eviction order (oldest first);
-    ``holders[b]`` are the sequence ids holding block ``b``, one entry per reference (a
-    sequence whose block table names a block twice holds it twice); ``index`` maps each
-    block hash to the block id the hash map points at.
-    """
-
-    num_blocks: int
-    free: tuple[int, ...]
-    cached: tuple[int, ...]
-    ref_counts: tuple[int, ...]
-    holders: tuple[tuple[int, ...], ...]
-    generations: tuple[int, ...]
-    block_hashes: tuple[BlockHash | None, ...]
-    index: dict[BlockHash, int]
-    allocations: int
-    allocation_failures: int
-    evictions: int
-    release_errors: int
-
-    def violations(self, live_holders: Iterable[int] | None = None) -> list[str]:
-        """Broken invariants, each named after the bug it reveals (empty when healthy)."""
-        out: list[str] = []
-        free, cached = set(self.free), set(self.cached)
-        indexed = set(self.index.values())
-        for b in sorted(free & cached):
-            out.append(f"block {b} is both free and cached")
-        for b in range(self.num_blocks):
-            refs = self.ref_counts[b]
-            if refs != len(self.holders[b]):
-                out.append(f"block {b}: ref_count {refs} != {len(self.holders[b])} holders "
-                           "(premature free or lost reference)")
-            if (b in free or b in cached) and refs > 0:
-                out.append(f"block {b} is on a free list but referenced ({refs})")
-            if refs == 0 and b not in free and b not in cached:
-                out.append(f"block {b} is unreferenced but on no free list (leaked)")
-            if b in free and b in indexed:
-                out.append(f"block {b} is free but still indexed (freed without unindexing)")
-            if b in cached and self.block_hashes[b] is None:
-                out.append(f"block {b} is cached but has no hash")
-        for h, b in self.index.items():
-            if self.block_hashes[b] != h:
-                out.append(f"index entry {h.hex()[:12]} points at block {b}, which holds "
-                           "other content (reused while indexed)")
-        if live_holders is not None:
-            live = set(live_holders)
-            for b in range(self.num_blocks):
-                dead = set(self.holders[b]) - live
-                if dead:
-                    out.append(f"block {b} held by finished sequences {sorted(dead)} (leak)")
-        if self.release_errors:
-            out.append(f"{self.release_errors} releases by a sequence that did not hold the "
-                       "block (double free)")
-        return out
+__all__ = ["ROOT_HASH", "Allocation", "BlockData", "BlockHash", "BlockMeta", "BlockPool",
+           "KeyFields", "PoolView", "chain_hash"]
 
 
 class BlockPool:

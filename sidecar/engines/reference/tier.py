@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.engines.reference.pool import BlockData, BlockHash, KeyFields
+from sidecar.engines.reference.blocks import BlockData, BlockHash, KeyFields
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sidecar.engines.reference.pool import BlockData, BlockHash, BlockPool, KeyFields, chain_hash
+from sidecar.engines.reference.blocks import BlockData, BlockHash, KeyFields, chain_hash
+from sidecar.engines.reference.pool import BlockPool
 from sidecar.protocol import Hit
 
 if TYPE_CHECKING:
-    from sidecar.engines.reference.engine import RunningSequence
+    from sidecar.engines.reference.sequence import RunningSequence
 
 Identity = BlockHash | tuple[str, int] | None  # chained hash; ("partial", seq id); unknown
 
