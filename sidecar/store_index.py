@@ -28,7 +28,6 @@ from types import MappingProxyType
 from sidecar.checks.keys import StoreRecord, token_digest
 from sidecar.protocol import BlockRef, StoredBlock
 
-
 _new_record = tuple.__new__
 _NO_FIELDS: Mapping[str, str] = MappingProxyType({})
 
