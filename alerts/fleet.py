@@ -96,6 +96,31 @@ def _lookup(record: str, labels: tuple[str, ...], fmt: str) -> str:
 _COUNT = 'printf "%.0f"'
 
 
+def _indent(expr: str, by: str = "  ") -> str:
+    return "\n".join(by + line for line in expr.splitlines())
+
+
+def _share_now(cfg: MixinConfig) -> str:
+    """:data:`INSTANCE_ANOMALY_SHARE`, computed from :data:`ANOMALIES_RECENT` itself.
+
+    The alert group is evaluated apart from the recording group: an alert reading a chain
+    of recordings can see a new anomaly one evaluation after ``KVCacheContentAnomaly``
+    does, and then the page it must inhibit goes out first. Reading ``ANOMALIES_RECENT``
+    (and inputs that exist long before any anomaly) keeps both in the same evaluation."""
+    inst, fleet = ", ".join(cfg.instance_labels), ", ".join(cfg.fleet_labels)
+    ratio = (f"sum by ({inst}) ({ANOMALIES_RECENT})\n/ on ({inst})\n"
+             f"clamp_min({INSTANCE_VERIFIED_RECENT}, 1)")
+    return (f"(\n{_indent(ratio)}\n)\n/ on ({fleet}) group_left\n"
+            f"sum by ({fleet}) (\n{_indent(ratio)}\n)")
+
+
+def _affected_ratio_now(cfg: MixinConfig) -> str:
+    """:data:`FLEET_REPLICAS_AFFECTED_RATIO` from ``ANOMALIES_RECENT`` (see _share_now)."""
+    fleet = ", ".join(cfg.fleet_labels)
+    return (f"count by ({fleet}, group, kind) ({ANOMALIES_RECENT})\n"
+            f"/ on ({fleet}) group_left\n{FLEET_REPLICAS}")
+
+
 def alert_rules(cfg: MixinConfig) -> list[Alert]:
     t = THRESHOLDS
     q = _Q(cfg)
@@ -111,8 +136,8 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
     share = _lookup(INSTANCE_ANOMALY_SHARE, cfg.instance_labels, "humanizePercentage")
     return [
         Alert(LOCALISED,
-              f"(\n  {ANOMALIES_RECENT}\n  and on ({q.by})\n"
-              f"  {INSTANCE_ANOMALY_SHARE} > {t.fleet_anomaly_share:g}\n"
+              f"(\n  {ANOMALIES_RECENT}\n  and on ({q.by})\n  (\n"
+              f"{_indent(_share_now(cfg), '    ')}\n  ) > {t.fleet_anomaly_share:g}\n"
               f"  {enough.format('  ')}\n)\n"
               f"* on (job, instance) group_left ({target})\n"
               f"max by (job, instance, {target}) ({q.sel(S.BUILD_INFO)})",
@@ -125,7 +150,7 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"fleet's anomaly rate; {affected} of {replicas} replicas failed this check. "
               "One replica, not a rollout: drain it and suspect its GPU, node or process."),
         Alert(FLEET_WIDE,
-              f"{FLEET_REPLICAS_AFFECTED_RATIO} > {t.fleet_wide_replicas_ratio:g}\n"
+              f"(\n{_indent(_affected_ratio_now(cfg))}\n) > {t.fleet_wide_replicas_ratio:g}\n"
               f"{enough.format('')}",
               "1m", PAGE,
               "Most replicas of {{ $labels.model }} are serving wrong KV "

@@ -136,9 +136,8 @@ def test_thresholds_come_from_signals() -> None:
     assert f"< {t.verification_stale_seconds:g})" in expr["KVSidecarVerificationStalled"]
     assert f"> {t.verification_stall_min_hits:g}" in expr["KVSidecarVerificationStalled"]
     assert t.anomaly_rate == 0.0 and "> 0" in expr["KVCacheContentAnomaly"]
-    assert f"fleet_share10m > {t.fleet_anomaly_share:g}\n" in expr["KVCacheAnomalyLocalised"]
-    assert f"replicas_ratio10m > {t.fleet_wide_replicas_ratio:g}\n" \
-        in expr["KVCacheAnomalyFleetWide"]
+    assert f"  ) > {t.fleet_anomaly_share:g}\n" in expr["KVCacheAnomalyLocalised"]
+    assert f"\n) > {t.fleet_wide_replicas_ratio:g}\n" in expr["KVCacheAnomalyFleetWide"]
     for name in ("KVCacheAnomalyLocalised", "KVCacheAnomalyFleetWide"):
         assert f"replicas >= {t.fleet_min_replicas:g}" in expr[name], name
 
@@ -242,8 +241,9 @@ def test_promtool_unit_tests_catch_a_moved_fleet_share(tmp_path: Path) -> None:
     promtool = require("promtool")
     shutil.copytree(ALERTS / "tests", tmp_path / "tests")
     text = RULES.read_text()
-    moved = text.replace(f"fleet_share10m > {THRESHOLDS.fleet_anomaly_share:g}\n",
-                         "fleet_share10m > 0.52\n")
+    share = f"        ) > {THRESHOLDS.fleet_anomaly_share:g}\n"  # inside KVCacheAnomalyLocalised
+    assert text.count(share) == 1
+    moved = text.replace(share, "        ) > 0.52\n")
     assert moved != text
     (tmp_path / "kv-sidecar.rules.yml").write_text(moved)
     result = _run([promtool, "test", "rules", str(tmp_path / "tests" / "fleet.yml")])
@@ -256,6 +256,7 @@ def test_alertmanager_fleet_pages_replace_the_per_replica_pages() -> None:
     per-replica pages; the fleet-wide page inhibits every per-replica page of the model.
     The names in the config are the generated alerts' names (a rename cannot orphan them)."""
     from alerts.fleet import FLEET_WIDE, LOCALISED, PER_REPLICA_PAGES
+    from alerts.rules import ANOMALIES_RECENT
 
     names = {a["alert"] for a in _alerts()}
     assert {LOCALISED, FLEET_WIDE, *PER_REPLICA_PAGES} <= names
@@ -268,6 +269,11 @@ def test_alertmanager_fleet_pages_replace_the_per_replica_pages() -> None:
             "target_matchers": [f'alertname=~"{per_replica}|{LOCALISED}"'],
             "equal": ["job", "engine", "model"]} in rules
     # Each fleet page fires in the same evaluation as the pages it replaces, or those
-    # would be delivered before the inhibition exists.
+    # would be delivered before the inhibition exists: same for:, and the same recorded
+    # anomalies read directly (not through recordings made later in the rule group).
     by_name = {a["alert"]: a for a in _alerts()}
+    for name in (LOCALISED, FLEET_WIDE):
+        assert ANOMALIES_RECENT in by_name[name]["expr"], name
+        assert "fleet_share" not in by_name[name]["expr"], name
+        assert "replicas_ratio" not in by_name[name]["expr"], name
     assert {by_name[n]["for"] for n in (LOCALISED, FLEET_WIDE, *PER_REPLICA_PAGES)} == {"1m"}
