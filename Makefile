@@ -51,3 +51,10 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache
+
+# N demo replicas (one with FAULT) behind one Prometheus + Alertmanager on 127.0.0.1; the page
+# names the bad replica (examples/fleet/README.md). Ctrl-C stops all.
+N ?= 4
+.PHONY: fleet
+fleet: venv
+	$(PY) examples/fleet/fleet.py --replicas $(N) --fault $(FAULT)

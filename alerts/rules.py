@@ -11,6 +11,7 @@ summary, a templated description and a runbook URL.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from sidecar import signals as S
 from sidecar.signals import THRESHOLDS, Signal
@@ -34,6 +35,11 @@ class MixinConfig:
     latency_min_requests_per_second: float = 0.1
     runbook_base_url: str = (
         "https://github.com/kv-sidecar/kv-sidecar/blob/main/alerts/runbooks/")
+    # A fleet: the replicas compared with each other (one model on one engine; alerts/fleet.py).
+    fleet_labels: tuple[str, ...] = ("job", *S.BASE_LABELS)
+    # Target labels a scrape config adds per replica, copied onto the fleet page so it can
+    # name the GPU (examples/fleet/README.md); absent ones are simply left out.
+    target_labels: tuple[str, ...] = ("replica", "gpu")
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,15 @@ def recording_rules(cfg: MixinConfig) -> list[Recording]:
         Recording(P99_BASELINE,
                   f"quantile_over_time(0.5, {P99_RATE}[{cfg.baseline_window}])"),
         Recording(INVARIANTS_RECENT, q.new_or_increased(S.INVARIANT_VIOLATIONS, "kind")),
+        *_fleet().recording_rules(cfg),
     ]
+
+
+def _fleet() -> ModuleType:
+    """alerts.fleet builds on this module's names, so it is imported when rules are built."""
+    from alerts import fleet
+
+    return fleet
 
 
 _WHERE = "on {{ $labels.instance }} ({{ $labels.engine }}, {{ $labels.model }})"
@@ -260,6 +274,7 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               "No kv-sidecar is being scraped.",
               f"No {S.BUILD_INFO.name} series of job {{{{ $labels.job }}}} has been scraped "
               "for 15m: KV cache verification is not running, or Prometheus lost its targets."),
+        *_fleet().alert_rules(cfg),
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard, Time
 
+from alerts.fleet import INSTANCE_ANOMALY_SHARE
 from alerts.rules import P99_BASELINE
 from dashboards.common import (
     RANGE,
@@ -139,18 +140,37 @@ def over_range(num: S.Signal, den: S.Signal) -> str:
             f"sum by (instance) (increase({sel(den)}[{RANGE}]))")
 
 
+# Replicas scraped in the selection, each counted once, and those with anomalies in range.
+replicas = f"count(count by (instance) ({sel(S.BUILD_INFO)}))"
+affected = (f"count(sum by (instance) (increase({sel(S.ANOMALIES)}[{RANGE}])) > 0) "
+            "or vector(0)")
+
 fleet = [
+    (stat("Replicas with anomalies", "Replicas that found a content anomaly over the time "
+          "range, next to the replicas scraped: one of many is a bad replica "
+          "(KVCacheAnomalyLocalised), most of them a rollout (KVCacheAnomalyFleetWide).",
+          "short", [(affected, "with anomalies"), (replicas, "replicas")],
+          steps("green", (ANY, "red")), decimals=0), 4, 9),
     (timeseries("Top 5 instances by content-anomaly rate", "One bad GPU among many shows "
                 "up here first.", "percentunit",
                 [(f"topk(5, {by_instance_anomaly_rate})", "{{instance}}")],
-                steps("green", (ANY, "red"))), 12, 9),
-    (table("Fleet: anomalies and hit rate per instance", "Anomalies over the time range "
-           "next to each instance's hit rates over the same range; sort by anomalies.",
+                steps("green", (ANY, "red"))), 10, 9),
+    (timeseries("Share of the fleet's anomaly rate", "Each instance's anomalous / verified "
+                "ratio (10m) over the sum of its fleet's (one model on one engine). Above "
+                "the line, with enough replicas, the replica is named by "
+                "KVCacheAnomalyLocalised; equal shares across replicas are a rollout.",
+                "percentunit",
+                [(f"topk(5, {INSTANCE_ANOMALY_SHARE}{{{SELECTOR}}})", "{{instance}}")],
+                steps("green", (T.fleet_anomaly_share, "red"))), 10, 9),
+    (table("Fleet: anomalies and hit rate per instance", "Per instance over the time range: "
+           "anomalies and the anomaly rate next to the hit rates, so a replica with a "
+           "healthy hit rate and wrong KV stands out; sort by anomaly rate.",
            [(f"sum by (instance) (increase({sel(S.ANOMALIES)}[{RANGE}]))", "anomalies",
              "short"),
+            (over_range(S.ANOMALIES, S.VERIFIED), "anomaly rate", "percentunit"),
             (over_range(S.HITS, S.LOOKUPS), "hit rate (lookups)", "percentunit"),
             (over_range(S.HIT_TOKENS, S.QUERY_TOKENS), "hit rate (tokens)", "percentunit")]),
-     12, 9),
+     24, 9),
 ]
 
 dashboard = Dashboard(

@@ -241,6 +241,15 @@ class Thresholds:
     # were served (keep it >= 5 x sample_every, or a quiet 1-in-N sampler looks stalled).
     verification_stale_seconds: float = 600.0
     verification_stall_min_hits: float = 5000.0
+    # --- fleet (alerts/rules.py fleet rules): replicas of one model on one engine compared.
+    # Fewer replicas than this say nothing about "one replica or all of them".
+    fleet_min_replicas: float = 3.0
+    # A replica holding more than this share of its fleet's summed anomaly rate (its rate
+    # above all the other replicas' together) is named as the bad replica.
+    fleet_anomaly_share: float = 0.5
+    # More than this share of the replicas failing the same check is fleet-wide: a rollout
+    # or config change, paged once for the fleet instead of once per replica.
+    fleet_wide_replicas_ratio: float = 0.5
 
 
 THRESHOLDS = Thresholds()

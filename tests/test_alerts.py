@@ -117,6 +117,8 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarSamplesDropped": WARNING,
         "KVSidecarDown": WARNING,
         "KVSidecarAbsent": WARNING,
+        "KVCacheAnomalyLocalised": PAGE,
+        "KVCacheAnomalyFleetWide": PAGE,
     }
 
 
@@ -134,6 +136,10 @@ def test_thresholds_come_from_signals() -> None:
     assert f"< {t.verification_stale_seconds:g})" in expr["KVSidecarVerificationStalled"]
     assert f"> {t.verification_stall_min_hits:g}" in expr["KVSidecarVerificationStalled"]
     assert t.anomaly_rate == 0.0 and "> 0" in expr["KVCacheContentAnomaly"]
+    assert f"  ) > {t.fleet_anomaly_share:g}\n" in expr["KVCacheAnomalyLocalised"]
+    assert f"\n) > {t.fleet_wide_replicas_ratio:g}\n" in expr["KVCacheAnomalyFleetWide"]
+    for name in ("KVCacheAnomalyLocalised", "KVCacheAnomalyFleetWide"):
+        assert f"replicas >= {t.fleet_min_replicas:g}" in expr[name], name
 
 
 def test_rules_name_only_known_signals() -> None:
@@ -153,8 +159,11 @@ def test_recording_rules_are_named_level_metric_operations() -> None:
         assert re.fullmatch(r"[a-z]+(_[a-z]+)*", level), r["record"]
         assert metric.startswith(f"{S.NAMESPACE}_"), r["record"]
         assert re.fullmatch(r"[a-z0-9_]+", ops), r["record"]
-        # Every instance-level aggregation keeps the target and base labels.
-        if "sum by" in r["expr"]:
+        # Every instance-level aggregation keeps the target and base labels; a fleet-level
+        # one keeps the fleet's (one model on one engine).
+        if level.startswith("fleet"):
+            assert re.search(r"(by|on) \(job, engine, model", r["expr"]), r["record"]
+        elif "sum by" in r["expr"]:
             assert "sum by (job, instance, engine, model" in r["expr"], r["record"]
 
 
@@ -224,3 +233,47 @@ def test_alertmanager_inhibits_warnings_while_a_page_fires() -> None:
     rules = cfg["inhibit_rules"]
     assert {"source_matchers": ['severity="page"'], "target_matchers": ['severity="warning"'],
             "equal": ["job", "instance"]} in rules
+
+
+def test_promtool_unit_tests_catch_a_moved_fleet_share(tmp_path: Path) -> None:
+    """The fleet tests pin the share boundary: with the threshold moved from 50% to 52%,
+    the replica at 51% is no longer named and the tests fail."""
+    promtool = require("promtool")
+    shutil.copytree(ALERTS / "tests", tmp_path / "tests")
+    text = RULES.read_text()
+    share = f"        ) > {THRESHOLDS.fleet_anomaly_share:g}\n"  # inside KVCacheAnomalyLocalised
+    assert text.count(share) == 1
+    moved = text.replace(share, "        ) > 0.52\n")
+    assert moved != text
+    (tmp_path / "kv-sidecar.rules.yml").write_text(moved)
+    result = _run([promtool, "test", "rules", str(tmp_path / "tests" / "fleet.yml")])
+    assert result.returncode != 0
+    assert "KVCacheAnomalyLocalised" in result.stdout + result.stderr
+
+
+def test_alertmanager_fleet_pages_replace_the_per_replica_pages() -> None:
+    """A fleet with one bad replica pages once: the localised page inhibits that replica's
+    per-replica pages; the fleet-wide page inhibits every per-replica page of the model.
+    The names in the config are the generated alerts' names (a rename cannot orphan them)."""
+    from alerts.fleet import FLEET_WIDE, LOCALISED, PER_REPLICA_PAGES
+    from alerts.rules import ANOMALIES_RECENT
+
+    names = {a["alert"] for a in _alerts()}
+    assert {LOCALISED, FLEET_WIDE, *PER_REPLICA_PAGES} <= names
+    rules = yaml.safe_load(AM_CONFIG.read_text())["inhibit_rules"]
+    per_replica = "|".join(PER_REPLICA_PAGES)
+    assert {"source_matchers": [f'alertname="{LOCALISED}"'],
+            "target_matchers": [f'alertname=~"{per_replica}"'],
+            "equal": ["job", "instance"]} in rules
+    assert {"source_matchers": [f'alertname="{FLEET_WIDE}"'],
+            "target_matchers": [f'alertname=~"{per_replica}|{LOCALISED}"'],
+            "equal": ["job", "engine", "model"]} in rules
+    # Each fleet page fires in the same evaluation as the pages it replaces, or those
+    # would be delivered before the inhibition exists: same for:, and the same recorded
+    # anomalies read directly (not through recordings made later in the rule group).
+    by_name = {a["alert"]: a for a in _alerts()}
+    for name in (LOCALISED, FLEET_WIDE):
+        assert ANOMALIES_RECENT in by_name[name]["expr"], name
+        assert "fleet_share" not in by_name[name]["expr"], name
+        assert "replicas_ratio" not in by_name[name]["expr"], name
+    assert {by_name[n]["for"] for n in (LOCALISED, FLEET_WIDE, *PER_REPLICA_PAGES)} == {"1m"}

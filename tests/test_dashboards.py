@@ -179,3 +179,28 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_fleet_row_ranks_instances_and_puts_hit_rate_next_to_anomaly_rate() -> None:
+    """The fleet row: replicas affected vs scraped, top-k instances by anomaly rate, each
+    instance's share of the fleet's anomaly rate with the localising page's threshold, and
+    a per-instance table with the anomaly rate next to the hit rates."""
+    from alerts.fleet import INSTANCE_ANOMALY_SHARE
+
+    d = _dashboard()
+    rows = [p for p in d["panels"] if p["type"] == "row"]
+    fleet_y = next(r["gridPos"]["y"] for r in rows if r["title"] == "Fleet")
+    fleet = {p["title"]: p for p in _panels(d) if p["gridPos"]["y"] > fleet_y}
+    stat = fleet["Replicas with anomalies"]
+    assert [t["legendFormat"] for t in stat["targets"]] == ["with anomalies", "replicas"]
+    assert S.BUILD_INFO.name in stat["targets"][1]["expr"]
+    topk = fleet["Top 5 instances by content-anomaly rate"]["targets"][0]["expr"]
+    assert topk.startswith("topk(5, ") and S.ANOMALIES.name in topk
+    share = fleet["Share of the fleet's anomaly rate"]
+    assert f"topk(5, {INSTANCE_ANOMALY_SHARE}{{" in share["targets"][0]["expr"]
+    steps = share["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps[1] == {"color": "red", "value": THRESHOLDS.fleet_anomaly_share}
+    table = fleet["Fleet: anomalies and hit rate per instance"]
+    columns = [o["properties"][0]["value"] for o in table["fieldConfig"]["overrides"]]
+    assert columns == ["anomalies", "anomaly rate", "hit rate (lookups)", "hit rate (tokens)"]
+    assert all(t["instant"] and "by (instance)" in t["expr"] for t in table["targets"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ import pytest
 
 from alerts.rules import LOOKUP_HIT_RATIO, PAGE, TOKEN_HIT_RATIO, MixinConfig, alert_rules
 from sidecar import signals as S
+from tests.e2e import live
 from tests.promtools import require
 
 pytestmark = pytest.mark.e2e
@@ -67,16 +67,10 @@ class Stack:
     started: float
 
     def query(self, expr: str, **params: str) -> list[dict[str, Any]]:
-        path = "query_range" if "start" in params else "query"
-        qs = urllib.parse.urlencode({"query": expr, **params})
-        with urllib.request.urlopen(f"{self.prometheus}/api/v1/{path}?{qs}", timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return list(body["data"]["result"])
+        return live.query(self.prometheus, expr, **params)
 
     def get(self, url: str) -> Any:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.load(r)
+        return live.get(url)
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +111,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         webhook.stop()
 
 
-def _wait(what: str, timeout_s: float, probe: Any) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+_wait = live.wait_for
 
 
 def test_alertmanager_inhibits_warnings_while_a_page_fires(stack: Stack) -> None:
@@ -226,47 +213,11 @@ def _seconds(duration: str) -> float:
     return float(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
 
 
-def _variable_values(stack: Stack, dashboard: dict[str, Any]) -> dict[str, str]:
-    """Each query variable set to "All", expanded the way Grafana does: a regex
-    alternation of the values its label_values() query returns from this Prometheus."""
-    values: dict[str, str] = {}
-    for v in dashboard["templating"]["list"]:
-        if v["type"] != "query":
-            continue
-        query = v["query"]
-        for name, value in values.items():
-            query = query.replace(f"${name}", value)
-        match, label = query[len("label_values("):-1].rsplit(",", 1)
-        series = stack.query(f"group by ({label.strip()}) ({match})")
-        found = sorted(s["metric"][label.strip()] for s in series)
-        assert found, f"variable {v['name']} has no values"
-        values[v["name"]] = "(" + "|".join(found) + ")"
-    return values
-
-
 def test_every_dashboard_panel_returns_data(stack: Stack) -> None:
-    dashboard = json.loads((REPO / "dashboards" / "overview.json").read_text())
-    values = _variable_values(stack, dashboard)
-    now = time.time()
-    rng = f"{max(60, int(now - stack.started))}s"
-    empty = []
-    checked = 0
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            expr = target["expr"]
-            for name, value in values.items():
-                expr = expr.replace(f"${name}", value)
-            expr = expr.replace("$__rate_interval", "5s").replace("$__range", rng)
-            if target.get("instant"):
-                result = stack.query(expr, time=f"{now:.3f}")
-                samples = [r["value"] for r in result]
-            else:
-                result = stack.query(expr, start=f"{stack.started:.3f}", end=f"{now:.3f}",
-                                     step="2")
-                samples = [v for r in result for v in r["values"]]
-            checked += 1
-            if not any(math.isfinite(float(v)) for _, v in samples):
-                empty.append(f"{panel['title']} / {target['legendFormat']}: {expr}")
+    board = live.dashboard()
+    values = live.variable_values(stack.prometheus, board)
+    checked, empty = live.panels_without_data(stack.prometheus, board["panels"],
+                                              stack.started, values)
     assert checked >= 25
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
