@@ -16,7 +16,6 @@ from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.jobs import Jobs
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.server import SidecarServer
 from sidecar.signals import THRESHOLDS
@@ -75,7 +74,8 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
                                     recompute_tokens_per_s=0,
                                     # check the allocator after every release: the demo
                                     # reports the request at which each fault was caught
-                                    allocator_check_min_interval_s=0.0))
+                                    allocator_check_min_interval_s=0.0,
+                                    allocator_every_s=0.5))
     engine.sink = monitor
     return engine, monitor
 
@@ -91,7 +91,6 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         print(f"kv-sidecar demo: fault={opts.fault} dtype={opts.dtype} "
               f"requests={opts.requests} sample 1/{opts.sample_every}; "
               f"metrics at {server.url}/metrics", file=sys.stderr, flush=True)
-    jobs = Jobs(monitor, allocator_every_s=0.5).start()
     monitor.start()
     progress = Progress(opts.requests, opts.progress)
     workload = ChatWorkload(WorkloadConfig(seed=opts.seed,
@@ -127,7 +126,6 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             time.sleep(opts.hold_s)
         return summary
     finally:
-        jobs.stop()
         monitor.stop()
         server.stop()
         if otel is not None:

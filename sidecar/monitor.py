@@ -1,21 +1,22 @@
-"""The Monitor: what an engine's hooks call, and the worker that verifies samples.
+"""The Monitor: what an engine's hooks call. It owns the hot path and wires the rest.
 
-Hot path (``on_lookup``/``on_store``/``on_free``/``on_request_done``): counters, a sampling
-decision, a dict update — O(1) per event (O(blocks sampled) for a sampled hit), and a
-``try/except`` around everything so no exception ever reaches the engine. A sampled hit is
-snapshotted (block refs, store records as they are *now*) and put on a bounded queue; a full
-queue drops the sample and counts it, it never blocks the engine.
+Hot path (``on_lookup``/``on_store``/``on_free``/``on_request_done``): counter cells updated
+in place (:mod:`sidecar.instruments`), a sampling decision, a store-record and epoch update
+(:mod:`sidecar.store_index`) — O(1) per unsampled event, and a ``try/except`` around
+everything so no exception ever reaches the engine. A sampled hit is taken *at match time*:
+block refs, store records and epochs as they are now, and where the adapter can, a capture
+of the KV the request is served. Then it is handed to the rest, one job per module:
 
-Worker: takes samples off the queue, runs :class:`sidecar.verifier.Verifier`, and turns each
-Verdict into signals, evidence and sampler feedback.
+* :mod:`sidecar.dispatch` — queued (bounded, never blocks), inline or deferred: one mechanism;
+* :mod:`sidecar.verifier` and :mod:`sidecar.checks` — the checks, cheapest first;
+* :mod:`sidecar.report` — verdicts into signals, evidence and sampler feedback;
+* :mod:`sidecar.poller` — allocator state and invariants, on a schedule and on events.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -25,25 +26,26 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
+from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp
+from sidecar.dispatch import MODES, Dispatcher, Mode
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
 from sidecar.metrics import Metrics
+from sidecar.poller import AllocatorPoller
 from sidecar.protocol import (
     Adapter,
-    AllocatorIntrospection,
     AllocatorState,
     BlockKV,
     BlockRef,
-    BlockTableSnapshot,
     EngineInfo,
     Hit,
     Lookup,
     SequenceId,
     StoredBlock,
 )
+from sidecar.report import VerdictReporter
 from sidecar.sampling import Sampler, UniformSampler
-from sidecar.signals import DropReason
+from sidecar.signals import DropReason, Signal
 from sidecar.store_index import StoreIndex
 from sidecar.summary import p99, summarize
 from sidecar.verifier import Sample, TokenBucket, Verdict, Verifier
@@ -78,6 +80,9 @@ class SidecarConfig:
     # the hook returns), at most this many bytes per sample (larger captures are skipped).
     capture: bool = True
     capture_max_bytes: int = 64 * 2**20
+    # Where samples go (sidecar.dispatch): queued (a worker thread), inline, deferred.
+    dispatch: Mode = "queued"
+    allocator_every_s: float = 1.0  # scheduled allocator polls (<= 0: none)
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
@@ -93,6 +98,9 @@ class SidecarConfig:
                              f"{self.lifecycle_sample_rate}")
         if self.leak_window < 2:
             raise ValueError(f"leak_window must be >= 2, got {self.leak_window}")
+        if self.dispatch not in MODES:
+            raise ValueError(f"dispatch must be one of {', '.join(MODES)}, got "
+                             f"{self.dispatch!r}")
 
 
 class Monitor:
@@ -100,33 +108,40 @@ class Monitor:
 
     def __init__(self, adapter: Adapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None, sampler: Sampler | None = None,
-                 info: EngineInfo | None = None) -> None:
-        self.config = config or SidecarConfig()
-        self.config.validate()
+                 info: EngineInfo | None = None, extra_signals: Sequence[Signal] = ()) -> None:
+        self.config = c = config or SidecarConfig()
+        c.validate()
         self.adapter = adapter
-        self.guard = Guard(self.config.adapter_timeout_s)
+        self.guard = Guard(c.adapter_timeout_s)
         # describe() is the one call allowed to fail loudly: without it nothing can be checked.
         self.info = info or self.guard.call("describe", adapter.describe)
-        self.metrics = Metrics(self.info.engine, self.info.model, registry)
-        self.sampler: Sampler = sampler or UniformSampler(self.config.sample_every,
-                                                          self.config.seed)
+        self.metrics = Metrics(self.info.engine, self.info.model, registry, extra_signals)
+        self.sampler: Sampler = sampler or UniformSampler(c.sample_every, c.seed)
         # Policies that learn from cache events (boundary-biased) get them forwarded.
         self._sampler_store = getattr(self.sampler, "observe_store", None)
         self._sampler_free = getattr(self.sampler, "observe_free", None)
         self._sampler_release = getattr(self.sampler, "observe_release", None)
-        self.stored = StoreIndex(self.config.store_records)
+        self.stored = StoreIndex(c.store_records)
         self.verifier = Verifier(adapter, self.info, self.guard,
-                                 TokenBucket(self.config.recompute_tokens_per_s),
-                                 recompute=self.config.recompute, epoch_of=self.stored.epoch)
-        self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
-        self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
-        self._group_labels = {g.group_id: g.label for g in self.info.groups}
-        self._latencies: deque[float] = deque(maxlen=self.config.latency_window)
-        self._worker: threading.Thread | None = None
-        self._pending = 0  # samples queued or being verified
-        self._pending_cond = threading.Condition()
+                                 TokenBucket(c.recompute_tokens_per_s),
+                                 recompute=c.recompute, epoch_of=self.stored.epoch)
+        self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
+        self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
         self.requests_done = 0
+        self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
+                                      burst=c.lifecycle_burst)
+        self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
+                                                LeakTrend(c.leak_window), self.info.engine,
+                                                self.info.model)
+        self.poller = AllocatorPoller(adapter, self.metrics, self.allocator_health,
+                                      lambda: self.requests_done, c.adapter_timeout_s,
+                                      c.allocator_every_s, c.allocator_check_min_interval_s)
+        self.reporter = VerdictReporter(self.metrics, self.info, self.evidence,
+                                        self.allocator_health, self.sampler,
+                                        lambda: self.requests_done, self.poller.nudge)
+        self.dispatcher = Dispatcher(self.verifier.verify, self.apply, self._drop,
+                                     c.dispatch, c.queue_size)
         self._init_series()
         m = self.metrics
         # The hot path updates these cells in place (sidecar.instruments): no lookups.
@@ -136,21 +151,10 @@ class Monitor:
         self._c_hit_tokens = m.cell(S.HIT_TOKENS)
         self._h_latency = m.cell(S.REQUEST_LATENCY)
         self._should_sample = self.sampler.should_sample
-        capture = getattr(adapter, "capture", None) if self.config.capture else None
+        self._nudge = self.poller.nudge
+        capture = getattr(adapter, "capture", None) if c.capture else None
         self._capture = capture if callable(capture) else None
-        self.first_anomaly_request: int | None = None
-        self.max_recompute_error = 0.0
-        c = self.config
-        self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
-                                      burst=c.lifecycle_burst)
-        self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
-                                                LeakTrend(c.leak_window), self.info.engine,
-                                                self.info.model)
-        self._introspection = adapter if isinstance(adapter, AllocatorIntrospection) else None
-        self._poll_lock = threading.Lock()
-        self._trigger: PollTrigger | None = None
-        if c.allocator_check_min_interval_s >= 0:
-            self._trigger = PollTrigger(self.poll_allocator, c.allocator_check_min_interval_s)
+        self._started = False
 
     def _init_series(self) -> None:
         """Create every labelled series at 0, so rate() and dashboards see a clean zero
@@ -162,7 +166,7 @@ class Monitor:
                 m.inc(S.ANOMALIES, 0, group=g.label, kind=kind.value)
         for reason in DropReason:
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
-        for op in ("read", "recompute", "allocator", "block_tables"):
+        for op in ("read", "recompute", "allocator", "block_tables", "capture"):
             for why in ("error", "timeout"):
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
@@ -173,15 +177,43 @@ class Monitor:
         try:
             self._c_lookups.value += 1
             self._c_query_tokens.value += lookup.query_tokens
-            hit = lookup.hit
-            if hit is None or lookup.hit_tokens <= 0:
+            if lookup.hit_tokens <= 0:
                 return
             self._c_hits.value += 1
             self._c_hit_tokens.value += lookup.hit_tokens
-            if self._should_sample(hit):
+            hit = lookup.hit
+            if hit is not None and self._should_sample(hit):
                 self._enqueue(hit, lookup.seq_id, lookup.hit_tokens)
         except Exception as exc:
             self._hook_failed("on_lookup", exc)
+
+    def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV]) -> Verdict | None:
+        """A hit sampled and captured elsewhere (an out-of-process probe copied ``blocks``
+        out of the engine at match time): counted like ``on_lookup``, then verified through
+        the same dispatch, with the blocks as the capture. Returns the verdict in inline
+        dispatch mode. Never raises."""
+        try:
+            self._c_lookups.value += 1
+            self._c_query_tokens.value += lookup.query_tokens
+            if lookup.hit_tokens <= 0 or lookup.hit is None:
+                return None
+            self._c_hits.value += 1
+            self._c_hit_tokens.value += lookup.hit_tokens
+            hit = lookup.hit
+            captured = {b.ref: b for b in blocks}
+            refs = tuple(sorted(captured, key=lambda r: (r.group_id, r.index)))
+            if not refs:
+                return None
+            for group_id, ids in hit.blocks.items():
+                self.lifecycle.record(LifecycleOp.HIT, group_id, lookup.seq_id, ids,
+                                      hit.generations.get(group_id, ()), lookup.hit_tokens)
+            records, epochs = self.stored.snapshot(refs)
+            self.metrics.inc(S.SAMPLED)
+            return self.dispatcher.submit(Sample(hit, refs, records, time.time(), epochs,
+                                                 captured))
+        except Exception as exc:
+            self._hook_failed("on_captured", exc)
+            return None
 
     def on_store(self, block: StoredBlock) -> None:
         try:
@@ -219,8 +251,7 @@ class Monitor:
             self.lifecycle.record(LifecycleOp.FREE, group_id, seq_id, block_ids)
             if self._sampler_release is not None:
                 self._sampler_release(group_id, seq_id, block_ids)
-            if self._trigger is not None:
-                self._trigger.nudge()
+            self._nudge()
         except Exception as exc:
             self._hook_failed("on_release", exc)
 
@@ -229,8 +260,7 @@ class Monitor:
             self._h_latency.observe(latency_seconds)
             self.requests_done += 1
             self._latencies.append(latency_seconds)
-            if self._trigger is not None:
-                self._trigger.nudge()
+            self._nudge()
         except Exception as exc:
             self._hook_failed("on_request_done", exc)
 
@@ -275,13 +305,10 @@ class Monitor:
         if sample is None:
             return
         self.metrics.inc(S.SAMPLED)
-        with self._pending_cond:
-            self._pending += 1
-        try:
-            self._queue.put_nowait(sample)
-        except queue.Full:
-            self._done_pending()
-            self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
+        self.dispatcher.submit(sample)
+
+    def _drop(self, reason: DropReason) -> None:
+        self.metrics.inc(S.SAMPLES_DROPPED, reason=reason.value)
 
     def _hook_failed(self, hook: str, exc: Exception) -> None:
         try:
@@ -293,142 +320,68 @@ class Monitor:
         except Exception:
             pass
 
-    # ------------------------------------------------------------------ worker
+    # ------------------------------------------------------------------ lifecycle
     def start(self) -> Monitor:
-        if self._trigger is not None and self._introspection is not None:
-            self._trigger.start()
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._run, name="kvsidecar-verifier",
-                                            daemon=True)
-            self._worker.start()
+        """Start verification (queued mode) and allocator polling; idempotent."""
+        if not self._started:
+            self._started = True
+            self.dispatcher.start()
+            self.poller.start()
         return self
 
-    def _run(self) -> None:
-        while True:
-            sample = self._queue.get()
-            if sample is None:
-                return
-            try:
-                self.apply(self.verifier.verify(sample))
-            except Exception:
-                log.exception("verification failed unexpectedly (sample dropped)")
-                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.ADAPTER_ERROR.value)
-            finally:
-                self._done_pending()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop polling and the worker; samples still queued are dropped and counted."""
+        self.poller.stop(timeout_s)
+        self.dispatcher.stop(timeout_s)
+        self._started = False
 
-    def _done_pending(self) -> None:
-        with self._pending_cond:
-            self._pending -= 1
-            self._pending_cond.notify_all()
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued sample is verified; False on timeout."""
+        return self.dispatcher.drain(timeout_s)
 
     def verify(self, hit: Hit) -> Verdict:
-        """Verify one hit now, synchronously (tests, benchmarks, on-demand checks)."""
+        """Verify one hit now, on this thread, whatever the dispatch mode (tests,
+        benchmarks, on-demand checks)."""
         sample = self._sample(hit) or Sample(hit, (), {}, time.time(), {}, None)
         verdict = self.verifier.verify(sample)
         self.apply(verdict)
         return verdict
 
+    def verify_sample(self, sample: Sample) -> Verdict:
+        """Verify an already-taken sample again, on this thread (e.g. against another
+        reference)."""
+        verdict = self.verifier.verify(sample)
+        self.apply(verdict)
+        return verdict
+
+    def verify_pending(self) -> list[Verdict]:
+        """Deferred mode: verify every sample kept so far, on this thread."""
+        return self.dispatcher.run_pending()
+
     def apply(self, verdict: Verdict) -> None:
-        """Turn a verdict into signals, evidence and sampler feedback."""
-        m = self.metrics
-        groups = self._group_labels
-        for ref in verdict.verified:
-            m.inc(S.VERIFIED, group=groups.get(ref.group_id, str(ref.group_id)))
-        seen: set[tuple[int, int, str]] = set()
-        for f in verdict.findings:
-            key = (f.group_id, f.block_index, f.kind.value)
-            if key in seen:  # one count per block and kind
-                continue
-            seen.add(key)
-            m.inc(S.ANOMALIES, group=groups.get(f.group_id, str(f.group_id)), kind=f.kind.value)
-        for reason, n in verdict.dropped.items():
-            m.inc(S.SAMPLES_DROPPED, n, reason=reason.value)
-        for op, why in verdict.adapter_errors:
-            m.inc(S.ADAPTER_ERRORS, op=op, reason=why)
-        if verdict.verified:
-            m.observe(S.VERIFY_DURATION, verdict.duration_s)
-            m.gauge(S.LAST_VERIFICATION).set(time.time())
-        if verdict.max_error is not None:
-            self.max_recompute_error = max(self.max_recompute_error, verdict.max_error)
-        if verdict.findings:
-            if self.first_anomaly_request is None:
-                self.first_anomaly_request = self.requests_done
-            rec = self.evidence.record(verdict, self.info.engine, self.info.model,
-                                       self.allocator_health.anomaly_context(
-                                           verdict.sample.refs))
-            if self._trigger is not None:
-                self._trigger.nudge()
-            # The first few in full, then one line in a hundred: a broken cache must not
-            # turn the log into a flood (the counters and the evidence keep every one).
-            if rec["seq"] <= 5 or rec["seq"] % 100 == 0:
-                log.warning("KV anomaly #%d: %s", rec["seq"], "; ".join(
-                    f"{f.kind.value} group={f.group_id} block#{f.block_index}: {f.detail}"
-                    for f in verdict.findings[:4]))
-        try:
-            self.sampler.feedback(verdict.sample.hit, verdict.anomalous)
-        except Exception as exc:
-            self._hook_failed("sampler_feedback", exc)
+        """Turn a verdict into signals, evidence and sampler feedback (sidecar.report)."""
+        self.reporter.apply(verdict)
 
-    def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait until every queued sample is verified; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._pending_cond:
-            while self._pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pending_cond.wait(left)
-        return True
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker; samples still queued are dropped and counted."""
-        if self._trigger is not None:
-            self._trigger.stop(timeout_s)
-        if self._worker is None:
-            return
-        while True:
-            try:
-                s = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if s is not None:
-                self._done_pending()
-                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.SHUTDOWN.value)
-        self._queue.put(None)
-        self._worker.join(timeout_s)
-        self._worker = None
-
-    # ------------------------------------------------------------------ allocator
     def poll_allocator(self) -> AllocatorState | None:
-        """Ask the adapter for allocator state and, where it offers them, its block tables
-        (each call time-limited); publish the state, check the allocator's invariants and
-        the leak trend (:mod:`sidecar.allocator`). Polls from the schedule, the event
-        trigger and callers are serialised."""
-        with self._poll_lock:
-            state = self._adapter_call("allocator", self.adapter.allocator)
-            if state is not None:
-                self.metrics.allocator.update(state)
-            tables: Sequence[BlockTableSnapshot] | None = None
-            started = time.perf_counter()
-            if self._introspection is not None:
-                tables = self._adapter_call("block_tables", self._introspection.block_tables)
-            try:
-                # requests_done read after the snapshot: the index is never earlier than
-                # the state it describes.
-                self.allocator_health.observe(state, tables, self.requests_done,
-                                              time.perf_counter() - started)
-            except Exception:
-                log.exception("allocator health check failed (poll skipped)")
-            return state
+        """Poll the allocator now (sidecar.poller): state, invariants, leak trend."""
+        return self.poller.poll()
 
-    def _adapter_call(self, op: str, fn: Any) -> Any:
-        try:
-            return self.guard.call(op, fn)
-        except Exception as exc:
-            reason = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
-            log.warning("adapter %s() failed: %s", op, exc)
-            return None
+    def health(self) -> dict[str, Any]:
+        """What ``/healthz`` reports: the threads that must run, and whether verification
+        progresses (silence is not health)."""
+        return {"verifier_alive": self.dispatcher.alive, "poller_alive": self.poller.alive,
+                "pending_samples": self.dispatcher.pending,
+                "verified_samples": self.dispatcher.verified_samples,
+                "last_verification": self.reporter.last_verification,
+                "last_allocator_poll": self.poller.last_poll}
+
+    @property
+    def first_anomaly_request(self) -> int | None:
+        return self.reporter.first_anomaly_request
+
+    @property
+    def max_recompute_error(self) -> float:
+        return self.reporter.max_recompute_error
 
     # ------------------------------------------------------------------ summaries
     def p99_latency(self) -> float | None:

@@ -100,6 +100,9 @@ class Verifier:
                  epoch_of: Callable[[int, int], int] | None = None) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
+        # An adapter that can only copy KV at match time (an out-of-process probe) says so
+        # with ``reread = False``: captured blocks are then judged without a later read.
+        self.reread = bool(getattr(adapter, "reread", True))
         self.info = info
         self.guard = guard
         self.budget = budget
@@ -138,11 +141,12 @@ class Verifier:
         captured = sample.captured or {}
         undecided = [r for r in refs if r not in condemned]
         served: dict[BlockRef, BlockKV] = {r: captured[r] for r in undecided if r in captured}
-        cached = self._call("read", self.adapter.read, verdict, hit, undecided,
-                            len(undecided) - len(served)) if undecided else []
+        to_read = undecided if self.reread else [r for r in undecided if r not in served]
+        cached = self._call("read", self.adapter.read, verdict, hit, to_read,
+                            sum(1 for r in to_read if r not in served)) if to_read else []
         for block in cached or []:
             ref = block.ref
-            if ref in condemned or ref not in undecided:
+            if ref in condemned or ref not in to_read:  # not asked for: ignored
                 continue
             if self._moved(sample, ref, block):  # legitimately reused since the match
                 _drop(verdict, DropReason.REUSED_AFTER_SERVING if ref in served

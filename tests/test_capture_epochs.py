@@ -52,15 +52,19 @@ class SlowReads(ReferenceAdapter):
     """The verifier's later read arrives late (a busy sidecar): the cache has moved on."""
 
     def __init__(self, engine: ReferenceEngine, delay_s: float, capture: bool = True,
-                 stamps: bool = True) -> None:
+                 stamps: bool = True, slow_every: int = 1) -> None:
         super().__init__(engine)
         self.delay_s = delay_s
         self.stamps = stamps
+        self.slow_every = slow_every  # 1 in this many reads is slow
+        self.reads = 0
         if not capture:
             self.capture = None  # type: ignore[assignment]
 
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
-        time.sleep(self.delay_s)
+        self.reads += 1
+        if self.reads % self.slow_every == 0:
+            time.sleep(self.delay_s)
         out = super().read(hit, refs)
         if not self.stamps:
             for b in out:
@@ -71,8 +75,9 @@ class SlowReads(ReferenceAdapter):
 class StampStripper:
     """Sits between the engine and the Monitor: the engine keeps no generation stamps."""
 
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: Monitor, pace_s: float = 0.0) -> None:
         self.monitor = monitor
+        self.pace_s = pace_s  # the engine waits this long per request (the verifier keeps up)
 
     def on_lookup(self, lookup: Lookup) -> None:
         hit = lookup.hit
@@ -88,21 +93,24 @@ class StampStripper:
 
     def on_request_done(self, latency_seconds: float) -> None:
         self.monitor.on_request_done(latency_seconds)
+        time.sleep(self.pace_s)
 
 
 def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True,
          requests: int = 60, num_blocks: int = 256, blocks_per_sample: int = 2,
-         workload: WorkloadConfig | None = None) -> Monitor:
+         workload: WorkloadConfig | None = None, slow_every: int = 1,
+         pace_s: float = 0.0) -> Monitor:
     engine = ReferenceEngine(EngineConfig(num_blocks=num_blocks, kv_digest=True))
     if fault is not None:
         engine.fault = fault
-    adapter = SlowReads(engine, delay_s, capture=capture, stamps=stamps)
+    adapter = SlowReads(engine, delay_s, capture=capture, stamps=stamps,
+                        slow_every=slow_every)
     mon = Monitor(adapter, SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
                                          queue_size=10_000, capture=capture,
                                          blocks_per_sample=blocks_per_sample,
                                          allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
-    engine.sink = mon if stamps else StampStripper(mon)
+    engine.sink = mon if stamps else StampStripper(mon, pace_s)
     mon.start()
     drive(engine, ChatWorkload(workload or WorkloadConfig(conversations=12, max_turns=5,
                                                           seed=3)),
@@ -145,12 +153,12 @@ def test_a_block_stored_again_after_serving_is_dropped_as_reused_not_flagged() -
 
 
 def test_clean_engine_without_stamps_under_eviction_pressure_gives_no_false_alarm() -> None:
-    """No generation stamps at all, no capture, a slow verifier and a pool small enough
-    that blocks are reused under it: the sidecar's epochs drop the reused reads. >= 2,000
-    verified blocks, zero anomalies."""
-    mon = _run(None, capture=False, delay_s=0.015, stamps=False, num_blocks=40,
-               requests=700, blocks_per_sample=16,
-               workload=WorkloadConfig(conversations=140, max_turns=6, seed=5))
+    """No generation stamps at all, no capture, a verifier whose reads are sometimes slow
+    (1 in 4 waits 40 ms) and a pool small enough that blocks are reused under it: the
+    sidecar's epochs drop the reused reads. >= 2,000 verified blocks, zero anomalies."""
+    mon = _run(None, capture=False, delay_s=0.04, stamps=False, num_blocks=40,
+               requests=900, blocks_per_sample=16, slow_every=4, pace_s=0.004,
+               workload=WorkloadConfig(conversations=180, max_turns=6, seed=5))
     verified = mon.metrics.value_sum(S.VERIFIED.name)
     dropped = mon.metrics.value(S.SAMPLES_DROPPED.name,
                                 reason=DropReason.EVICTED_BEFORE_READ.value)

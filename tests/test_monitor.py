@@ -165,7 +165,7 @@ def test_stop_counts_queued_samples_as_dropped():
     for t in range(4):
         engine.serve(PROMPT + [t])
     deadline = time.monotonic() + 5
-    while mon._queue.qsize() > 3 and time.monotonic() < deadline:
+    while mon.dispatcher.queued > 3 and time.monotonic() < deadline:
         time.sleep(0.01)  # until the worker holds the first sample
     mon.stop(timeout_s=0.1)  # the worker is stuck in read(); 3 samples still queued
     assert mon.metrics.value(S.SAMPLES_DROPPED.name, reason="shutdown") == 3

@@ -14,9 +14,9 @@ import zmq
 from sidecar import signals as S
 from sidecar.adapters.vllm.adapter import (
     VllmAdapter,
+    captured_hit,
     engine_info_from_checkpoint,
     hello_mismatches,
-    hit_from_capture,
 )
 from sidecar.adapters.vllm.layout import (
     UnsupportedLayout,
@@ -27,7 +27,6 @@ from sidecar.adapters.vllm.layout import (
 from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge, parse_metrics
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.receiver import ProbeReceiver
-from sidecar.adapters.vllm.service import ProbeSampler
 from sidecar.adapters.vllm.version import UnsupportedVllmVersion, check_vllm_version
 from sidecar.adapters.vllm.wire import (
     Capture,
@@ -218,18 +217,21 @@ def test_monitor_verifies_captured_hits_against_hf(tiny_model: str, dtype: str) 
     info = engine_info_from_checkpoint(tiny_model, dtype, 32)
     ref = HFReference(tiny_model, info)
     tokens = list(range(3, 3 + 96))
-    hf = ref.recompute(hit_from_capture(Capture("c", "hit", None, tuple(tokens), 100, 96,
-                                                {0: [4, 5, 6]}, {})),
-                       [BlockRef(0, 0, 4), BlockRef(0, 2, 6)])
+    hit = captured_hit(Capture("c", "hit", None, tuple(tokens), 100, 96, {0: [4, 5, 6]},
+                               {}))[0].hit
+    assert hit is not None
+    hf = ref.recompute(hit, [BlockRef(0, 0, 4), BlockRef(0, 2, 6)])
     good = Capture("c", "hit", None, tuple(tokens), 100, 96, {0: [4, 5, 6]},
                    {(0, 0): (hf[0].key, hf[0].value), (0, 2): (hf[1].key, hf[1].value)})
     swapped = Capture("d", "hit", None, tuple(tokens), 100, 96, {0: [4, 5, 6]},
                       {(0, 0): (hf[0].key, hf[0].value), (0, 2): (hf[0].key, hf[0].value)})
-    mon = Monitor(VllmAdapter(info, ref), SidecarConfig(sample_every=1), sampler=ProbeSampler(),
-                  info=info)
-    clean = mon.verify(hit_from_capture(good))
-    assert clean.findings == [] and len(clean.verified) == 2
-    bad = mon.verify(hit_from_capture(swapped))
+    mon = Monitor(VllmAdapter(info, ref), SidecarConfig(dispatch="inline"), info=info)
+    clean = mon.on_captured(*captured_hit(good))
+    assert clean is not None and clean.findings == [] and len(clean.verified) == 2
+    assert not clean.adapter_errors  # no later read is attempted (reread = False)
+    bad = mon.on_captured(*captured_hit(swapped))
+    assert bad is not None
     assert [(f.kind.value, f.block_index) for f in bad.findings] == [("recompute_mismatch", 2)]
+    assert mon.metrics.value(S.SAMPLED.name) == 2 == mon.metrics.value(S.HITS.name)
     with pytest.raises(AdapterError):
-        VllmAdapter(info, ref).read(hit_from_capture(good), [BlockRef(0, 1, 5)])
+        VllmAdapter(info, ref).read(hit, [BlockRef(0, 1, 5)])

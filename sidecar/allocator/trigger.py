@@ -1,6 +1,6 @@
 """Event-driven allocator polls: the engine's hooks nudge, a thread of ours polls.
 
-The schedule (APScheduler, :mod:`sidecar.jobs`) polls every second or so; a bug that frees a
+The schedule (APScheduler, :mod:`sidecar.poller`) polls every second or so; a bug that frees a
 block on request N and lets it be reused on request N+1 needs a check in between. So the
 hooks that mark a moment where allocator bugs strike (a sequence releasing its blocks, a
 request finishing, an anomaly) call :meth:`PollTrigger.nudge`: one ``Event.set()``, O(1) on
@@ -34,8 +34,10 @@ class PollTrigger:
         self._last = 0.0
 
     def nudge(self) -> None:
-        """Ask for a poll soon (hot path: never blocks, never raises)."""
-        self._wake.set()
+        """Ask for a poll soon (hot path: never blocks, never raises). ``is_set`` is a plain
+        read; ``set`` takes the Event's lock, so it is skipped while a poll is already due."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def start(self) -> PollTrigger:
         if self._thread is None:

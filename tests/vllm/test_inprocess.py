@@ -46,7 +46,7 @@ def run(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[dict[str, A
         verdicts = {}
         for ref in (eng.hf, eng.engine_ref):
             eng.sidecar.adapter.reference = ref
-            verdicts[ref.name] = [eng.sidecar.monitor.verify(h) for h in hits]
+            verdicts[ref.name] = [eng.sidecar.monitor.verify_sample(h) for h in hits]
         yield {"engine": eng, "workload": wl, "hits": hits, "verdicts": verdicts}
     finally:
         stop_engine(eng)
@@ -100,19 +100,19 @@ def test_event_audit_is_clean_and_covers_every_stored_block(run: dict[str, Any])
 
 def _hit_for(hits: list[Any], prefix: list[int]) -> Any:
     n = (len(prefix) // BLOCK) * BLOCK
-    return next(h for h in hits if list(h.tokens[:n]) == prefix[:n])
+    return next(h for h in hits if list(h.hit.tokens[:n]) == prefix[:n])
 
 
 def _verify_new_hit(eng: Engine, prompt: list[int]) -> dict[str, Any]:
     generate(eng.llm, [prompt])
     assert eng.sidecar.wait_for_samples(1)
     pending = eng.sidecar.take_pending()
-    assert [h.hit_tokens for h in pending] == [len(prompt) // BLOCK * BLOCK], pending
+    assert [h.hit.hit_tokens for h in pending] == [len(prompt) // BLOCK * BLOCK], pending
     hit = pending[0]
     out = {}
     for ref in (eng.hf, eng.engine_ref):
         eng.sidecar.adapter.reference = ref
-        out[ref.name] = eng.sidecar.monitor.verify(hit)
+        out[ref.name] = eng.sidecar.monitor.verify_sample(hit)
     return out
 
 
@@ -123,7 +123,7 @@ def test_corrupted_blocks_are_flagged_by_both_references(run: dict[str, Any]) ->
     # 1) zeroed through the worker: the last full block of prefix 1 (always sampled).
     p1 = wl.prefixes[1]
     last1 = len(p1) // BLOCK - 1
-    victim = int(_hit_for(hits, p1).blocks[0][last1])
+    victim = int(_hit_for(hits, p1).hit.blocks[0][last1])
     assert eng.llm.collective_rpc(zero_block, args=(victim,)) == [2]
     for name, v in _verify_new_hit(eng, p1 + wl.tokens(9)).items():
         assert {(f.kind, f.block_index) for f in v.findings} == {(AnomalyKind.ZEROS, last1)}, \
@@ -131,8 +131,8 @@ def test_corrupted_blocks_are_flagged_by_both_references(run: dict[str, Any]) ->
     # 2) overwritten with another block's KV: plausible values, only a recompute sees it.
     p3 = wl.prefixes[3]
     last3 = len(p3) // BLOCK - 1
-    victim = int(_hit_for(hits, p3).blocks[0][last3])
-    donor = int(_hit_for(hits, wl.prefixes[0]).blocks[0][0])
+    victim = int(_hit_for(hits, p3).hit.blocks[0][last3])
+    donor = int(_hit_for(hits, wl.prefixes[0]).hit.blocks[0][0])
     eng.llm.collective_rpc(copy_block, args=(donor, victim))
     for name, v in _verify_new_hit(eng, p3 + wl.tokens(9)).items():
         kinds = {(f.kind, f.block_index) for f in v.findings}

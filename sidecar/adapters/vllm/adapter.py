@@ -3,9 +3,9 @@ it verifies the reference engine's.
 
 * ``describe()``: built from the checkpoint's ``config.json`` plus the dtype and block size
   vLLM runs with, and checked against the probe's ``hello`` when it arrives;
-* ``read(hit, refs)``: the KV the probe copied out of the engine when it sampled the hit
-  (a :class:`VllmHit` carries its :class:`~sidecar.adapters.vllm.wire.Capture`): the sidecar
-  cannot reach into another process's tensors later, so "read" happens at match time;
+* no later ``read``: the sidecar cannot reach into another process's tensors, so the probe
+  copies the sampled blocks out at match time and the service hands them to
+  :meth:`sidecar.monitor.Monitor.on_captured` as the capture (``reread = False``);
 * ``recompute(hit, refs)``: the configured reference (:mod:`.reference`: HF or engine-side);
 * ``allocator()``: from vLLM's own metrics, through :class:`.metrics_bridge.VllmMetricsBridge`.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from sidecar.protocol import (
     EngineInfo,
     GroupKind,
     Hit,
+    Lookup,
 )
 
 log = logging.getLogger(__name__)
@@ -40,16 +40,13 @@ VLLM_KEY_FIELDS = ("parent_hash", "token_ids", "lora", "mm_items", "cache_salt",
                    "prompt_embeds")
 
 
-@dataclass(frozen=True)
-class VllmHit(Hit):
-    """A hit sampled by the probe, with the KV it copied out at match time."""
-
-    capture: Capture | None = None
-
-
-def hit_from_capture(cap: Capture) -> VllmHit:
-    return VllmHit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks,
-                   capture=cap)
+def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
+    """A probe capture as the Monitor takes it: the lookup (with its hit) and the captured
+    blocks, for :meth:`sidecar.monitor.Monitor.on_captured`."""
+    hit = Hit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks)
+    blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v)
+              for (g, i), (k, v) in sorted(cap.kv.items())]
+    return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks
 
 
 def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,
@@ -99,18 +96,11 @@ class VllmAdapter:
     def describe(self) -> EngineInfo:
         return self.info
 
+    reread = False  # blocks are copied out at match time by the probe, never read later
+
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
-        cap = getattr(hit, "capture", None)
-        if not isinstance(cap, Capture):
-            raise AdapterError("vLLM hits can only be read through the probe's capture")
-        out = []
-        for ref in refs:
-            block = cap.block_kv(ref)
-            if block is None:
-                raise AdapterError(f"the probe did not capture block {ref.index} of group "
-                                   f"{ref.group_id}")
-            out.append(block)
-        return out
+        raise AdapterError("vLLM blocks can only be read at match time, through the probe's "
+                           "capture (Monitor.on_captured)")
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         if self.reference is None:

@@ -3,37 +3,35 @@
 Wiring, the same whether the sidecar runs beside ``vllm.entrypoints.openai.api_server`` or
 in the process that holds a ``vllm.LLM``:
 
-* probe pipe (:class:`.receiver.ProbeReceiver`) -> ``Monitor.on_lookup`` for every lookup,
-  with a :class:`.adapter.VllmHit` for the 1-in-N the probe sampled (the probe samples:
-  the KV must be copied while the engine still holds it);
+* probe pipe (:class:`.receiver.ProbeReceiver`) -> ``Monitor.on_lookup`` for every lookup
+  the probe did not sample, ``Monitor.on_captured`` for the 1-in-N it sampled with the KV it
+  copied out at match time (the probe samples: the KV must be copied while the engine still
+  holds it);
 * KV event stream (:class:`.subscriber.EventSubscriber`) -> :class:`.audit.EventAuditor`;
 * vLLM's own metrics (:class:`.metrics_bridge.VllmMetricsBridge`) -> allocator state and
-  latency, polled by the Monitor's allocator job;
+  latency, polled by the Monitor's allocator poller;
 * the Monitor verifies samples with :class:`.adapter.VllmAdapter` on its worker thread or,
-  with ``deferred=True``, when the owner calls :meth:`VllmSidecar.verify_pending` (needed
-  for the engine reference with an in-process ``vllm.LLM``, which only the thread that owns
-  it may drive).
+  with ``deferred=True`` (the Monitor's deferred dispatch), when the owner calls
+  :meth:`VllmSidecar.verify_pending` (needed for the engine reference with an in-process
+  ``vllm.LLM``, which only the thread that owns it may drive).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from sidecar import signals as S
 from sidecar.adapters.vllm.adapter import (
     VllmAdapter,
-    VllmHit,
+    captured_hit,
     engine_info_from_checkpoint,
     hello_mismatches,
-    hit_from_capture,
 )
 from sidecar.adapters.vllm.audit import EventAuditor
 from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge, http_source
@@ -41,11 +39,9 @@ from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.reference import EngineReference, HFReference, Submit, http_submit
 from sidecar.adapters.vllm.subscriber import EventSubscriber
 from sidecar.adapters.vllm.wire import Capture
-from sidecar.jobs import Jobs
 from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockRef, Hit, Lookup
-from sidecar.signals import DropReason
-from sidecar.verifier import Verdict
+from sidecar.protocol import Lookup
+from sidecar.verifier import Sample, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +69,6 @@ class VllmSidecarConfig:
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
 
-class ProbeSampler:
-    """The probe already sampled (1 in N, in the engine): verify exactly its captures."""
-
-    def should_sample(self, hit: Hit) -> bool:
-        return isinstance(hit, VllmHit) and hit.capture is not None
-
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
-        cap = getattr(hit, "capture", None)
-        if not isinstance(cap, Capture):
-            return []
-        return [BlockRef(g, i, int(cap.blocks[g][i])) for g, i in sorted(cap.kv)]
-
-    def feedback(self, hit: Hit, anomalous: bool) -> None:
-        return None
-
-
 class VllmSidecar:
     def __init__(self, cfg: VllmSidecarConfig, registry: CollectorRegistry | None = None,
                  submit: Submit | None = None,
@@ -98,8 +78,13 @@ class VllmSidecar:
                                            cfg.model_name)
         self.info = info
         self.adapter = VllmAdapter(info, None)
-        self.monitor = Monitor(self.adapter, cfg.sidecar, registry, sampler=ProbeSampler(),
-                               info=info)
+        # The probe samples (in the engine); the Monitor verifies its captures, queued or,
+        # deferred, when the owner asks. It polls the allocator (vLLM's metrics) itself.
+        sidecar_cfg = dataclasses.replace(
+            cfg.sidecar, allocator_every_s=cfg.allocator_every_s,
+            dispatch="deferred" if cfg.deferred else cfg.sidecar.dispatch,
+            queue_size=cfg.pending_limit if cfg.deferred else cfg.sidecar.queue_size)
+        self.monitor = Monitor(self.adapter, sidecar_cfg, registry, info=info)
         self.metrics = self.monitor.metrics
         source = metrics_source or (http_source(cfg.metrics_url) if cfg.metrics_url else None)
         if source is not None:
@@ -115,9 +100,6 @@ class VllmSidecar:
         self.subscriber = (EventSubscriber(self.auditor, cfg.events_endpoint,
                                            cfg.replay_endpoint, bind=cfg.events_bind)
                            if cfg.events_endpoint else None)
-        self.jobs = Jobs(self.monitor, cfg.allocator_every_s)
-        self._pending: deque[VllmHit] = deque()
-        self._pending_lock = threading.Condition()
         self.engine_mismatches: list[str] = []
 
     def _make_reference(self, cfg: VllmSidecarConfig, submit: Submit | None) -> Any:
@@ -142,13 +124,10 @@ class VllmSidecar:
             self.receiver.start()
         if self.subscriber is not None:
             self.subscriber.start()
-        if not self.cfg.deferred:
-            self.monitor.start()
-        self.jobs.start()
+        self.monitor.start()
         return self
 
     def stop(self) -> None:
-        self.jobs.stop()
         for part in (self.subscriber, self.receiver):
             if part is not None:
                 part.stop()
@@ -157,22 +136,11 @@ class VllmSidecar:
     # ------------------------------------------------------------------ probe callbacks
     def _on_lookups(self, items: list[tuple[int, int]]) -> None:
         for q, h in items:
-            self.monitor.on_lookup(Lookup(q, h, Hit((), h, {}) if h > 0 else None))
+            self.monitor.on_lookup(Lookup(q, h))
 
     def _on_capture(self, cap: Capture) -> None:
-        hit = hit_from_capture(cap)
-        if not self.cfg.deferred:
-            self.monitor.on_lookup(Lookup(cap.query_tokens, cap.hit_tokens, hit))
-            return
-        self.monitor.on_lookup(Lookup(cap.query_tokens, cap.hit_tokens,
-                                      Hit((), cap.hit_tokens, {})))
-        with self._pending_lock:
-            if len(self._pending) >= self.cfg.pending_limit:
-                self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
-                return
-            self.metrics.inc(S.SAMPLED)
-            self._pending.append(hit)
-            self._pending_lock.notify_all()
+        lookup, blocks = captured_hit(cap)
+        self.monitor.on_captured(lookup, blocks)
 
     def _on_hello(self, hello: dict[str, Any]) -> None:
         self.engine_mismatches = hello_mismatches(self.info, hello)
@@ -188,8 +156,7 @@ class VllmSidecar:
     def wait_for_samples(self, n: int, timeout_s: float = 10.0) -> bool:
         """Wait until ``n`` samples are pending (deferred mode): the probe sends a capture
         before its request finishes, but it crosses a socket and a thread to get here."""
-        with self._pending_lock:
-            return self._pending_lock.wait_for(lambda: len(self._pending) >= n, timeout_s)
+        return self.monitor.dispatcher.wait_pending(n, timeout_s)
 
     def quiesce(self, idle_s: float = 0.3, timeout_s: float = 5.0) -> None:
         """Wait until the probe has been silent for ``idle_s`` (at most ``timeout_s``), so
@@ -202,16 +169,15 @@ class VllmSidecar:
                 return
             time.sleep(idle_s / 3)
 
-    def take_pending(self) -> list[VllmHit]:
-        with self._pending_lock:
-            hits = list(self._pending)
-            self._pending.clear()
-        return hits
+    def take_pending(self) -> list[Sample]:
+        """The samples kept so far (deferred mode), for the caller to verify with
+        ``monitor.verify_sample`` (e.g. against several references)."""
+        return self.monitor.dispatcher.take_pending()
 
     def verify_pending(self) -> list[Verdict]:
         """Verify the samples captured so far, on the calling thread (deferred mode)."""
         self.quiesce()
-        return [self.monitor.verify(hit) for hit in self.take_pending()]
+        return self.monitor.verify_pending()
 
     def summary(self) -> dict[str, Any]:
         out = self.monitor.summary()
