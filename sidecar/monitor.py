@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
+from sidecar.calibration import Calibration, CalibrationConfig
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
 from sidecar.metrics import Metrics
@@ -72,6 +73,17 @@ class SidecarConfig:
     lifecycle_window: int = 2048  # full-rate lifecycle events kept in memory for evidence
     lifecycle_burst: int = 256  # events logged at full rate after an anomaly
     leak_window: int = 8  # polls the leak trend test looks at
+    # Recompute tolerance (sidecar/calibration.py): overrides "[REFERENCE:]DTYPE" -> value;
+    # learn the noise floor from this many clean blocks (0: the fixed table), then use
+    # calibration_multiple x floor (capped by the hard tolerance, floored at a few ulps).
+    tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
+    calibration_samples: int = 0
+    calibration_multiple: float = 4.0
+
+    def calibration(self) -> CalibrationConfig:
+        return CalibrationConfig(samples=self.calibration_samples,
+                                 multiple=self.calibration_multiple,
+                                 overrides=dict(self.tolerances))
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
@@ -87,6 +99,7 @@ class SidecarConfig:
                              f"{self.lifecycle_sample_rate}")
         if self.leak_window < 2:
             raise ValueError(f"leak_window must be >= 2, got {self.leak_window}")
+        self.calibration().validate()
 
 
 class Monitor:
@@ -110,7 +123,9 @@ class Monitor:
         self._sampler_release = getattr(self.sampler, "observe_release", None)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(self.config.recompute_tokens_per_s),
-                                 recompute=self.config.recompute)
+                                 recompute=self.config.recompute,
+                                 calibration=Calibration(self.info.dtype, self.info.kv_storage,
+                                                         self.config.calibration()))
         self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
         self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
         self.stored = StoreIndex(self.config.store_records)
@@ -151,6 +166,7 @@ class Monitor:
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
+        self.verifier.calibration.publish(m, self.verifier.reference_kind)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
@@ -310,6 +326,11 @@ class Monitor:
             m.gauge(S.LAST_VERIFICATION).set(time.time())
         if verdict.max_error is not None:
             self.max_recompute_error = max(self.max_recompute_error, verdict.max_error)
+        for group_id, err in verdict.errors:  # recompute error histogram + calibration gauges
+            m.observe(S.RECOMPUTE_ERROR, err, group=groups.get(group_id, str(group_id)),
+                      dtype=self.verifier.calibration.dtype)
+        if verdict.errors:
+            self.verifier.calibration.publish(m)
         if verdict.findings:
             if self.first_anomaly_request is None:
                 self.first_anomaly_request = self.requests_done
