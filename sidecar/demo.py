@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.adapters.reference import ReferenceAdapter
@@ -36,6 +36,8 @@ class DemoOptions:
     otel: str = "none"
     progress: bool = True
     num_blocks: int = 256
+    # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
+    sidecar: dict[str, Any] = field(default_factory=dict)
 
 
 class Progress:
@@ -75,7 +77,8 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
                                     recompute_tokens_per_s=0,
                                     # check the allocator after every release: the demo
                                     # reports the request at which each fault was caught
-                                    allocator_check_min_interval_s=0.0))
+                                    allocator_check_min_interval_s=0.0,
+                                    **opts.sidecar))
     engine.sink = monitor
     return engine, monitor
 

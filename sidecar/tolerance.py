@@ -39,6 +39,9 @@ dtype, so a reference whose floor is exactly 0 still tolerates one rounding step
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 TOLERANCES: dict[str, float] = {
     "float32": 1e-3,
     "float16": 5e-2,
@@ -130,3 +133,50 @@ def tolerance_for(dtype: str, kv_storage: str | None = None) -> float:
                              f"known: {', '.join(sorted(STORAGE_TOLERANCES))}")
         tol = max(tol, STORAGE_TOLERANCES[kv_storage])
     return tol
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The tolerance flags of ``kv-sidecar demo`` and ``kv-sidecar vllm serve``."""
+    p.add_argument("--tolerance", action="append", default=[], type=_override_arg,
+                   metavar="[REFERENCE:]DTYPE=VALUE",
+                   help="replace the recompute tolerance for a dtype (and reference kind: "
+                        f"{', '.join(REFERENCE_KINDS)}); repeatable; not calibrated")
+    p.add_argument("--calibrate", type=_calibration_samples, default=0, metavar="N",
+                   help="learn the noise floor from the first N clean blocks per reference "
+                        "and dtype, then use --calibration-multiple x floor (default: 0, "
+                        "the fixed table)")
+    p.add_argument("--calibration-multiple", type=_multiple, default=4.0, metavar="X",
+                   help="calibrated tolerance = X x noise floor (default: 4)")
+
+
+def config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``SidecarConfig`` fields the flags of :func:`add_arguments` set."""
+    return {"tolerances": dict(args.tolerance), "calibration_samples": args.calibrate,
+            "calibration_multiple": args.calibration_multiple}
+
+
+def _override_arg(text: str) -> tuple[str, float]:
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _calibration_samples(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _multiple(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (1.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {value}")
+    return value

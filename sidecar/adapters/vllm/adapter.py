@@ -99,6 +99,11 @@ class VllmAdapter:
     def describe(self) -> EngineInfo:
         return self.info
 
+    @property
+    def reference_kind(self) -> str:
+        """The current reference's kind, for the verifier's per-reference tolerance."""
+        return getattr(self.reference, "kind", "independent")
+
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         cap = getattr(hit, "capture", None)
         if not isinstance(cap, Capture):
