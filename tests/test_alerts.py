@@ -117,6 +117,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarSamplesDropped": WARNING,
         "KVSidecarDown": WARNING,
         "KVSidecarAbsent": WARNING,
+        "KVCacheRecomputeErrorDrift": WARNING,
     }
 
 
@@ -134,6 +135,7 @@ def test_thresholds_come_from_signals() -> None:
     assert f"< {t.verification_stale_seconds:g})" in expr["KVSidecarVerificationStalled"]
     assert f"> {t.verification_stall_min_hits:g}" in expr["KVSidecarVerificationStalled"]
     assert t.anomaly_rate == 0.0 and "> 0" in expr["KVCacheContentAnomaly"]
+    assert f"> {t.recompute_error_drift:g}" in expr["KVCacheRecomputeErrorDrift"]
 
 
 def test_rules_name_only_known_signals() -> None:
