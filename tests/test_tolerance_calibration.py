@@ -221,3 +221,22 @@ def test_storage_downcast_caught_in_bfloat16_only_under_the_calibrated_tolerance
     assert calibrated.calibrated_floor is not None
     assert calibrated.tolerance < 0.25 / 2
     assert fixed.recall is not None and fixed.recall < 0.5  # what the fixed 0.25 misses
+
+
+def test_tolerance_flags_reach_the_sidecar_config_of_demo_and_vllm_serve() -> None:
+    from sidecar.adapters.vllm.cli import parser as vllm_parser
+    from sidecar.cli import build_parser
+    from sidecar.demo import DemoOptions, build
+    from sidecar.tolerance import config_fields
+
+    args = build_parser().parse_args(["demo", "--tolerance", "bfloat16=0.1", "--tolerance",
+                                      "engine:float32=1e-5", "--calibrate", "32",
+                                      "--calibration-multiple", "3"])
+    fields = config_fields(args)
+    assert fields == {"tolerances": {"bfloat16": 0.1, "engine:float32": 1e-5},
+                      "calibration_samples": 32, "calibration_multiple": 3.0}
+    _, mon = build(DemoOptions(dtype="bfloat16", sidecar=fields))
+    assert mon.verifier.tolerance == 0.1  # the override, not the table's 0.25
+    serve = vllm_parser().parse_args(["serve", "--model", "m", "--dtype", "bfloat16",
+                                      "--block-size", "16", "--calibrate", "64"])
+    assert config_fields(serve)["calibration_samples"] == 64
