@@ -61,6 +61,14 @@ class CalibrationConfig:
             check_override(key, value)
 
 
+def calibration_config(sidecar: Any) -> CalibrationConfig:
+    """The calibration part of a ``SidecarConfig`` (``tolerances``, ``calibration_samples``,
+    ``calibration_multiple``)."""
+    return CalibrationConfig(samples=sidecar.calibration_samples,
+                             multiple=sidecar.calibration_multiple,
+                             overrides=dict(sidecar.tolerances))
+
+
 @dataclass(frozen=True)
 class FloorState:
     """What one (reference, dtype) calibration knows, for gauges, summaries and tests."""

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
-from sidecar.calibration import Calibration, CalibrationConfig
+from sidecar.calibration import Calibration, calibration_config
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
 from sidecar.metrics import Metrics
@@ -80,11 +80,6 @@ class SidecarConfig:
     calibration_samples: int = 0
     calibration_multiple: float = 4.0
 
-    def calibration(self) -> CalibrationConfig:
-        return CalibrationConfig(samples=self.calibration_samples,
-                                 multiple=self.calibration_multiple,
-                                 overrides=dict(self.tolerances))
-
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
                      "latency_window"):
@@ -99,7 +94,7 @@ class SidecarConfig:
                              f"{self.lifecycle_sample_rate}")
         if self.leak_window < 2:
             raise ValueError(f"leak_window must be >= 2, got {self.leak_window}")
-        self.calibration().validate()
+        calibration_config(self).validate()
 
 
 class Monitor:
@@ -125,7 +120,7 @@ class Monitor:
                                  TokenBucket(self.config.recompute_tokens_per_s),
                                  recompute=self.config.recompute,
                                  calibration=Calibration(self.info.dtype, self.info.kv_storage,
-                                                         self.config.calibration()))
+                                                         calibration_config(self.config)))
         self.evidence = EvidenceLog(self.config.evidence_capacity, self.config.evidence_dir)
         self._queue: queue.Queue[Sample | None] = queue.Queue(self.config.queue_size)
         self.stored = StoreIndex(self.config.store_records)
@@ -327,7 +322,8 @@ class Monitor:
         if verdict.max_error is not None:
             self.max_recompute_error = max(self.max_recompute_error, verdict.max_error)
         for group_id, err in verdict.errors:  # recompute error histogram + calibration gauges
-            m.observe(S.RECOMPUTE_ERROR, err, group=groups.get(group_id, str(group_id)),
+            m.observe(S.RECOMPUTE_ERROR, min(err, S.ERROR_CAP),  # inf would poison _sum
+                      group=groups.get(group_id, str(group_id)),
                       dtype=self.verifier.calibration.dtype)
         if verdict.errors:
             self.verifier.calibration.publish(m)

@@ -180,6 +180,7 @@ ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
 # Labels are bounded: group (a few cache groups), dtype (one per sidecar), reference
 # ("independent" or "engine").
 ERROR_BUCKETS = tuple(float(f"{10 ** (k / 3):.3g}") for k in range(-21, 4))  # 1e-7 .. 10
+ERROR_CAP = 1e3  # a non-finite error is observed as this (in +Inf), keeping _sum finite
 RECOMPUTE_ERROR = _s("recompute_error", H,
                      "Normalized recompute error of each verified block (max|cached - ref| / "
                      "rms(ref)), by cache group and dtype.", ("group", "dtype"),

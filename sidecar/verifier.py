@@ -15,6 +15,7 @@ Order (each stage only spends what the previous ones could not decide):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -193,6 +194,8 @@ class Verifier:
                 _drop(verdict, DropReason.ADAPTER_ERROR)
                 continue
             err = block_error(block, ref_kv)
+            if not math.isfinite(err):  # NaN (a non-finite reference) compares as far out
+                err = math.inf
             verdict.max_error = err if verdict.max_error is None else max(verdict.max_error, err)
             verdict.errors.append((block.ref.group_id, err))
             verdict.verified.append(block.ref)

@@ -240,3 +240,21 @@ def test_tolerance_flags_reach_the_sidecar_config_of_demo_and_vllm_serve() -> No
     serve = vllm_parser().parse_args(["serve", "--model", "m", "--dtype", "bfloat16",
                                       "--block-size", "16", "--calibrate", "64"])
     assert config_fields(serve)["calibration_samples"] == 64
+
+
+def test_a_non_finite_recompute_is_flagged_and_keeps_the_histogram_sum_finite() -> None:
+    class NaNReference(ToyAdapter):
+        def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+            out = super().recompute(hit, refs)
+            for b in out:
+                b.key[0, 0, 0, 0] = float("nan")
+            return out
+
+    engine = ToyEngine(None)
+    mon = _monitor(NaNReference(engine), calibration_samples=4)
+    (v,) = _verify_all(mon, engine, 1)
+    assert {f.kind for f in v.findings} == {AnomalyKind.RECOMPUTE_MISMATCH}
+    assert all(e == float("inf") for _, e in v.errors)
+    total = mon.metrics.value(S.RECOMPUTE_ERROR.name + "_sum", group="0", dtype="float32")
+    assert total == 3 * S.ERROR_CAP
+    assert mon.verifier.calibration.states()[0].mode == "calibrating"  # never learnt from
