@@ -31,6 +31,7 @@ from sidecar.checks.structure import check_structure
 from sidecar.guard import AdapterRefused, AdapterTimeout, Guard
 from sidecar.protocol import Adapter, BlockKV, BlockRef, EngineInfo, Hit
 from sidecar.signals import AnomalyKind, DropReason
+from sidecar.tolerance import REFERENCE_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Verifier:
         default) or "engine" (the engine's own kernels); read per call, since an adapter
         may swap its reference at run time."""
         kind = getattr(self.adapter, "reference_kind", None)
-        return kind if isinstance(kind, str) and kind else "independent"
+        return kind if kind in REFERENCE_KINDS else "independent"  # a bounded label
 
     @property
     def tolerance(self) -> float:
