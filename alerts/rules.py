@@ -266,6 +266,16 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"{_PCT} of sampled hits were dropped unverified with reason "
               f"{{{{ $labels.reason }}}} over the last {cfg.rate_window} {_WHERE} "
               f"(threshold {percent(t.samples_dropped_ratio)})."),
+        # Calibrated tolerance (sidecar/calibration.py): the errors moved off their floor.
+        Alert("KVCacheRecomputeErrorDrift",
+              f"max by ({by}, reference, dtype) ({q.sel(S.RECOMPUTE_ERROR_DRIFT)}) "
+              f"> {t.recompute_error_drift:g}", "15m", WARNING,
+              "Recompute errors drifted away from their calibrated noise floor.",
+              f'Recent recompute errors against the {{{{ $labels.reference }}}} reference in '
+              f'{{{{ $labels.dtype }}}} are {{{{ printf "%.1f" $value }}}}x the calibrated '
+              f"noise floor {_WHERE} (threshold {t.recompute_error_drift:g}x): the cache's "
+              "KV is moving away from a correct recompute, though no block has failed its "
+              "tolerance yet."),
         Alert("KVSidecarDown", f"up{{{cfg.selector}}} == 0", "5m", WARNING,
               "kv-sidecar cannot be scraped.",
               "Prometheus has failed to scrape {{ $labels.instance }} of job "

@@ -76,6 +76,22 @@ anomalies = [
     (timeseries("Anomalies by cache group", "Which cache group (full attention, sliding "
                 "window, ...) holds the wrong KV.", "cps",
                 [(rate(S.ANOMALIES, "instance, group"), "{{instance}} {{group}}")]), 12, 8),
+    # Calibrated tolerance (sidecar/calibration.py).
+    (timeseries("Recompute error vs tolerance", "Normalized recompute error of verified "
+                "blocks (P50/P99 from the histogram) under the tolerance in use and the "
+                "calibrated noise floor, per reference kind and dtype.", "none",
+                [(quantile(0.5, S.RECOMPUTE_ERROR, "dtype"), "P50 {{dtype}}"),
+                 (quantile(0.99, S.RECOMPUTE_ERROR, "dtype"), "P99 {{dtype}}"),
+                 (f"max by (reference, dtype) ({sel(S.RECOMPUTE_TOLERANCE)})",
+                  "tolerance {{reference}} {{dtype}}"),
+                 (f"max by (reference, dtype) ({sel(S.RECOMPUTE_NOISE_FLOOR)})",
+                  "floor {{reference}} {{dtype}}")]), 12, 8),
+    (timeseries("Recompute-error drift", "Recent error quantile / calibrated noise floor; "
+                "the line is the drift alert's threshold (KVCacheRecomputeErrorDrift).",
+                "none", [(f"max by (instance, reference, dtype) "
+                          f"({sel(S.RECOMPUTE_ERROR_DRIFT)})",
+                          "{{instance}} {{reference}} {{dtype}}")],
+                steps("green", (T.recompute_error_drift, "orange"))), 12, 8),
 ]
 
 coverage = [

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sidecar import __version__
+from sidecar import __version__, tolerance
 from sidecar.extras import MissingExtra, require
 
 
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
+    tolerance.add_arguments(d)
 
     sub.add_parser("faults", help="list the injectable faults",
                    description="List the faults the reference engine can inject by name.")
@@ -148,7 +149,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
-                       otel=args.otel, progress=not args.quiet)
+                       otel=args.otel, progress=not args.quiet,
+                       sidecar=tolerance.config_fields(args))
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.adapters.reference import ReferenceAdapter
@@ -35,6 +35,8 @@ class DemoOptions:
     otel: str = "none"
     progress: bool = True
     num_blocks: int = 256
+    # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
+    sidecar: dict[str, Any] = field(default_factory=dict)
 
 
 class Progress:
@@ -75,7 +77,7 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
                                     # check the allocator after every release: the demo
                                     # reports the request at which each fault was caught
                                     allocator_check_min_interval_s=0.0,
-                                    allocator_every_s=0.5))
+                                    allocator_every_s=0.5, **opts.sidecar))
     engine.sink = monitor
     return engine, monitor
 

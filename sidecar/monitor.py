@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp
+from sidecar.calibration import Calibration, calibration_config
 from sidecar.dispatch import MODES, Dispatcher, Mode
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
@@ -83,6 +84,12 @@ class SidecarConfig:
     # Where samples go (sidecar.dispatch): queued (a worker thread), inline, deferred.
     dispatch: Mode = "queued"
     allocator_every_s: float = 1.0  # scheduled allocator polls (<= 0: none)
+    # Recompute tolerance (sidecar/calibration.py): overrides "[REFERENCE:]DTYPE" -> value;
+    # learn the noise floor from this many clean blocks (0: the fixed table), then use
+    # calibration_multiple x floor (capped by the hard tolerance, floored at a few ulps).
+    tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
+    calibration_samples: int = 0
+    calibration_multiple: float = 4.0
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
@@ -101,6 +108,7 @@ class SidecarConfig:
         if self.dispatch not in MODES:
             raise ValueError(f"dispatch must be one of {', '.join(MODES)}, got "
                              f"{self.dispatch!r}")
+        calibration_config(self).validate()
 
 
 class Monitor:
@@ -124,7 +132,9 @@ class Monitor:
         self.stored = StoreIndex(c.store_records)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(c.recompute_tokens_per_s),
-                                 recompute=c.recompute, epoch_of=self.stored.epoch)
+                                 recompute=c.recompute, epoch_of=self.stored.epoch,
+                                 calibration=Calibration(self.info.dtype, self.info.kv_storage,
+                                                         calibration_config(c)))
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
         self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
@@ -139,6 +149,7 @@ class Monitor:
                                       c.allocator_every_s, c.allocator_check_min_interval_s)
         self.reporter = VerdictReporter(self.metrics, self.info, self.evidence,
                                         self.allocator_health, self.sampler,
+                                        self.verifier.calibration,
                                         lambda: self.requests_done, self.poller.nudge)
         self.dispatcher = Dispatcher(self.verifier.verify, self.apply, self._drop,
                                      c.dispatch, c.queue_size)
@@ -171,6 +182,7 @@ class Monitor:
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
+        self.verifier.calibration.publish(m, self.verifier.reference_kind)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth
+from sidecar.calibration import Calibration
 from sidecar.evidence import EvidenceLog
 from sidecar.metrics import Metrics
 from sidecar.protocol import EngineInfo
@@ -23,7 +24,7 @@ class VerdictReporter:
     records evidence of every anomalous verdict; tells the sampler how it went."""
 
     def __init__(self, metrics: Metrics, info: EngineInfo, evidence: EvidenceLog,
-                 health: AllocatorHealth, sampler: Sampler,
+                 health: AllocatorHealth, sampler: Sampler, calibration: Calibration,
                  requests_done: Callable[[], int],
                  on_anomaly: Callable[[], None] = lambda: None) -> None:
         self.metrics = metrics
@@ -31,6 +32,7 @@ class VerdictReporter:
         self.evidence = evidence
         self.health = health
         self.sampler = sampler
+        self.calibration = calibration
         self._requests_done = requests_done
         self._on_anomaly = on_anomaly
         self._groups = {g.group_id: g.label for g in info.groups}
@@ -65,6 +67,11 @@ class VerdictReporter:
             self.last_verification = now
         if verdict.max_error is not None:
             self.max_recompute_error = max(self.max_recompute_error, verdict.max_error)
+        for group_id, err in verdict.errors:  # recompute error histogram + calibration gauges
+            m.observe(S.RECOMPUTE_ERROR, min(err, S.ERROR_CAP),  # inf would poison _sum
+                      group=self._group(group_id), dtype=self.calibration.dtype)
+        if verdict.errors:
+            self.calibration.publish(m)
         if verdict.findings:
             self._anomalous(verdict)
         try:

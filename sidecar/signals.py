@@ -176,6 +176,34 @@ VLLM_SIGNALS: tuple[Signal, ...] = (
 ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
 # --- end of the vLLM adapter's block.
 
+# --- recompute tolerance (sidecar/calibration.py): the error, the tolerance, floor and drift.
+# Labels are bounded: group (a few cache groups), dtype (one per sidecar), reference
+# ("independent" or "engine").
+ERROR_BUCKETS = tuple(float(f"{10 ** (k / 3):.3g}") for k in range(-21, 4))  # 1e-7 .. 10
+ERROR_CAP = 1e3  # a non-finite error is observed as this (in +Inf), keeping _sum finite
+RECOMPUTE_ERROR = _s("recompute_error", H,
+                     "Normalized recompute error of each verified block (max|cached - ref| / "
+                     "rms(ref)), by cache group and dtype.", ("group", "dtype"),
+                     unit="ratio", buckets=ERROR_BUCKETS)
+RECOMPUTE_TOLERANCE = _s("recompute_tolerance", G,
+                         "Recompute tolerance in use, by reference kind and dtype: the hard "
+                         "one, the deployment's override, or the calibrated one.",
+                         ("reference", "dtype"), unit="ratio")
+RECOMPUTE_NOISE_FLOOR = _s("recompute_noise_floor", G,
+                           "Calibrated noise floor (largest error of the first clean blocks), "
+                           "by reference kind and dtype; absent until calibrated.",
+                           ("reference", "dtype"), unit="ratio")
+RECOMPUTE_ERROR_DRIFT = _s("recompute_error_drift", G,
+                           "Recent recompute-error quantile / calibrated noise floor, by "
+                           "reference kind and dtype (reaches the calibration multiple at the "
+                           "tolerance); absent until calibrated.", ("reference", "dtype"),
+                           unit="ratio")
+TOLERANCE_SIGNALS: tuple[Signal, ...] = (
+    RECOMPUTE_ERROR, RECOMPUTE_TOLERANCE, RECOMPUTE_NOISE_FLOOR, RECOMPUTE_ERROR_DRIFT,
+)
+ALL_SIGNALS = (*ALL_SIGNALS, *TOLERANCE_SIGNALS)
+# --- end of the tolerance block.
+
 
 class AnomalyKind(enum.StrEnum):
     """The value of the ``kind`` label of :data:`ANOMALIES`: which check failed."""
@@ -250,6 +278,9 @@ class Thresholds:
     # More than this share of the replicas failing the same check is fleet-wide: a rollout
     # or config change, paged once for the fleet instead of once per replica.
     fleet_wide_replicas_ratio: float = 0.5
+    # Recent recompute errors at this multiple of the calibrated noise floor (the tolerance
+    # sits at calibration_multiple, 4 by default): the distribution moved, no block failed yet.
+    recompute_error_drift: float = 2.0
 
 
 THRESHOLDS = Thresholds()

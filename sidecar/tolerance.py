@@ -29,9 +29,18 @@ A tolerance sits 6-15x above the noise floor it covers (600x in float32: headroo
 kernels noisier than these two) and below the smallest corruption we inject,
 so neither false positives nor misses ride on luck. What a tolerance cannot see (a flipped
 low mantissa bit) the write-time fingerprint sees exactly.
+
+These are *hard* tolerances: the ceiling a comparison never exceeds. A deployment may
+replace one (``SidecarConfig.tolerances``, ``--tolerance [REFERENCE:]DTYPE=VALUE``), and the
+calibration mode (:mod:`sidecar.calibration`) tightens it under the ceiling to a stated
+multiple of the noise floor it measures, never below :func:`min_tolerance` (a few ulps of the
+dtype, so a reference whose floor is exactly 0 still tolerates one rounding step).
 """
 
 from __future__ import annotations
+
+import argparse
+from typing import Any
 
 TOLERANCES: dict[str, float] = {
     "float32": 1e-3,
@@ -44,6 +53,71 @@ STORAGE_TOLERANCES: dict[str, float] = {
     "int8": 2.5e-1,
     "fp8": 2.5e-1,
 }
+
+
+# Machine epsilon (the gap between 1.0 and the next value) per KV dtype, without torch.
+EPSILON: dict[str, float] = {
+    "float32": 2.0 ** -23,
+    "float16": 2.0 ** -10,
+    "bfloat16": 2.0 ** -7,
+}
+MIN_ULPS = 2.0  # the smallest tolerance a calibration may set, in epsilons of the dtype
+
+
+def min_tolerance(dtype: str) -> float:
+    """The floor under any calibrated tolerance: ``MIN_ULPS`` epsilons of ``dtype``.
+
+    The error is relative to the block's RMS, and one rounding step on the largest
+    element of a block is about ``eps * amax / rms``; two epsilons let an exact-0
+    reference (the engine recomputing with its own kernels) survive a lone re-rounding
+    without opening the gap a real corruption would slip through."""
+    name = dtype.removeprefix("torch.")
+    if name not in EPSILON:
+        raise ValueError(f"no epsilon for dtype {dtype!r}; known: {', '.join(sorted(EPSILON))}")
+    return MIN_ULPS * EPSILON[name]
+
+
+def parse_override(text: str) -> tuple[str, float]:
+    """``[REFERENCE:]DTYPE=VALUE`` (a CLI flag) -> (key, value), with a clear error.
+
+    The key is ``DTYPE`` or ``REFERENCE:DTYPE``; REFERENCE is a reference kind
+    (:data:`REFERENCE_KINDS`)."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"expected [REFERENCE:]DTYPE=VALUE, got {text!r}")
+    try:
+        tol = float(value)
+    except ValueError:
+        raise ValueError(f"tolerance {value!r} in {text!r} is not a number") from None
+    check_override(key, tol)
+    return key, tol
+
+
+REFERENCE_KINDS: tuple[str, ...] = ("independent", "engine")
+
+
+def check_override(key: str, value: float) -> None:
+    """Refuse an override that names an unknown reference or dtype, or is not > 0."""
+    reference, _, dtype = key.rpartition(":")
+    if reference and reference not in REFERENCE_KINDS:
+        raise ValueError(f"unknown reference kind {reference!r} in {key!r}; known: "
+                         f"{', '.join(REFERENCE_KINDS)}")
+    if dtype.removeprefix("torch.") not in TOLERANCES:
+        raise ValueError(f"no recompute tolerance for dtype {dtype!r} in {key!r}; "
+                         f"known: {', '.join(sorted(TOLERANCES))}")
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"tolerance for {key!r} must be a finite number > 0, got {value}")
+
+
+def override_for(overrides: dict[str, float], reference: str, dtype: str) -> float | None:
+    """The deployment's tolerance for ``reference`` and ``dtype``: ``REFERENCE:DTYPE``
+    first, then ``DTYPE``; ``None`` when neither is set."""
+    name = dtype.removeprefix("torch.")
+    for key in (f"{reference}:{name}", name):
+        if key in overrides:
+            return overrides[key]
+    return None
 
 
 def tolerance_for(dtype: str, kv_storage: str | None = None) -> float:
@@ -59,3 +133,50 @@ def tolerance_for(dtype: str, kv_storage: str | None = None) -> float:
                              f"known: {', '.join(sorted(STORAGE_TOLERANCES))}")
         tol = max(tol, STORAGE_TOLERANCES[kv_storage])
     return tol
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The tolerance flags of ``kv-sidecar demo`` and ``kv-sidecar vllm serve``."""
+    p.add_argument("--tolerance", action="append", default=[], type=_override_arg,
+                   metavar="[REFERENCE:]DTYPE=VALUE",
+                   help="replace the recompute tolerance for a dtype (and reference kind: "
+                        f"{', '.join(REFERENCE_KINDS)}); repeatable; not calibrated")
+    p.add_argument("--calibrate", type=_calibration_samples, default=0, metavar="N",
+                   help="learn the noise floor from the first N clean blocks per reference "
+                        "and dtype, then use --calibration-multiple x floor (default: 0, "
+                        "the fixed table)")
+    p.add_argument("--calibration-multiple", type=_multiple, default=4.0, metavar="X",
+                   help="calibrated tolerance = X x noise floor (default: 4)")
+
+
+def config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``SidecarConfig`` fields the flags of :func:`add_arguments` set."""
+    return {"tolerances": dict(args.tolerance), "calibration_samples": args.calibrate,
+            "calibration_multiple": args.calibration_multiple}
+
+
+def _override_arg(text: str) -> tuple[str, float]:
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _calibration_samples(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _multiple(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (1.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {value}")
+    return value

@@ -6,12 +6,16 @@ Order (each stage only spends what the previous ones could not decide):
      legitimately reused before we got to them: dropped, not flagged;
   3. structure, content stats, write-time fingerprint — on the bytes just read;
   4. ``adapter.recompute`` under the recompute budget, compared with a dtype-aware tolerance —
-     only for blocks no earlier stage already condemned.
+     only for blocks no earlier stage already condemned. The tolerance is per reference kind
+     (the adapter's ``reference_kind``: "independent" unless it says "engine") and dtype, and
+     may be calibrated from the first clean blocks (:mod:`sidecar.calibration`); every
+     block's error is on the verdict (``errors``) for the error histogram.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sidecar.calibration import Calibration
 from sidecar.checks.base import Finding
 from sidecar.checks.content import check_content
 from sidecar.checks.fingerprint import check_fingerprint
@@ -28,7 +33,7 @@ from sidecar.checks.structure import check_structure
 from sidecar.guard import AdapterRefused, AdapterTimeout, Guard
 from sidecar.protocol import Adapter, BlockKV, BlockRef, EngineInfo, Hit
 from sidecar.signals import AnomalyKind, DropReason
-from sidecar.tolerance import tolerance_for
+from sidecar.tolerance import REFERENCE_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class Verdict:
     dropped: dict[DropReason, int] = field(default_factory=dict)
     adapter_errors: list[tuple[str, str]] = field(default_factory=list)  # (op, reason)
     max_error: float | None = None  # largest recompute error seen (for noise-floor reports)
+    errors: list[tuple[int, float]] = field(default_factory=list)  # (group_id, error) per block
     duration_s: float = 0.0
 
     @property
@@ -97,7 +103,8 @@ class Verifier:
 
     def __init__(self, adapter: Adapter, info: EngineInfo, guard: Guard,
                  budget: TokenBucket, recompute: bool = True,
-                 epoch_of: Callable[[int, int], int] | None = None) -> None:
+                 epoch_of: Callable[[int, int], int] | None = None,
+                 calibration: Calibration | None = None) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
         # An adapter that can only copy KV at match time (an out-of-process probe) says so
@@ -107,8 +114,21 @@ class Verifier:
         self.guard = guard
         self.budget = budget
         self.recompute = recompute
-        self.tolerance = tolerance_for(info.dtype, info.kv_storage)
+        self.calibration = calibration or Calibration(info.dtype, info.kv_storage)
         self._layers = {g.group_id: len(g.layers) for g in info.groups}
+
+    @property
+    def reference_kind(self) -> str:
+        """What the adapter's recompute is: "independent" (another implementation, the
+        default) or "engine" (the engine's own kernels); read per call, since an adapter
+        may swap its reference at run time."""
+        kind = getattr(self.adapter, "reference_kind", None)
+        return kind if kind in REFERENCE_KINDS else "independent"  # a bounded label
+
+    @property
+    def tolerance(self) -> float:
+        """The tolerance a comparison uses now (for the current reference)."""
+        return self.calibration.tolerance(self.reference_kind)
 
     def verify(self, sample: Sample) -> Verdict:
         started = time.perf_counter()
@@ -201,6 +221,8 @@ class Verifier:
         if reference is None:
             return
         by_ref = {r.ref: r for r in reference}
+        kind = self.reference_kind
+        cal = self.calibration
         for block in blocks:
             ref_kv = by_ref.get(block.ref)
             if ref_kv is None:
@@ -208,13 +230,19 @@ class Verifier:
                 _drop(verdict, DropReason.ADAPTER_ERROR)
                 continue
             err = block_error(block, ref_kv)
+            if not math.isfinite(err):  # NaN (a non-finite reference) compares as far out
+                err = math.inf
             verdict.max_error = err if verdict.max_error is None else max(verdict.max_error, err)
+            verdict.errors.append((block.ref.group_id, err))
             verdict.verified.append(block.ref)
-            if err > self.tolerance:
+            tol = cal.tolerance(kind)
+            passed = err <= tol
+            cal.observe(kind, err, passed)
+            if not passed:
                 verdict.findings.append(Finding(
                     AnomalyKind.RECOMPUTE_MISMATCH, block.ref.group_id, block.ref.index,
-                    f"normalized error {err:.3g} > tolerance {self.tolerance:.3g} "
-                    f"({self.info.dtype})", err))
+                    f"normalized error {err:.3g} > tolerance {tol:.3g} "
+                    f"({self.info.dtype}, {kind} reference)", err))
 
     def _call(self, op: str, fn: Callable[[Hit, Sequence[BlockRef]], Sequence[BlockKV]],
               verdict: Verdict, hit: Hit, refs: Sequence[BlockRef],

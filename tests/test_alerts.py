@@ -119,6 +119,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarAbsent": WARNING,
         "KVCacheAnomalyLocalised": PAGE,
         "KVCacheAnomalyFleetWide": PAGE,
+        "KVCacheRecomputeErrorDrift": WARNING,
     }
 
 
@@ -140,6 +141,7 @@ def test_thresholds_come_from_signals() -> None:
     assert f"\n) > {t.fleet_wide_replicas_ratio:g}\n" in expr["KVCacheAnomalyFleetWide"]
     for name in ("KVCacheAnomalyLocalised", "KVCacheAnomalyFleetWide"):
         assert f"replicas >= {t.fleet_min_replicas:g}" in expr[name], name
+    assert f"> {t.recompute_error_drift:g}" in expr["KVCacheRecomputeErrorDrift"]
 
 
 def test_rules_name_only_known_signals() -> None:

@@ -191,9 +191,12 @@ def wait_http(url: str, timeout_s: float, proc: Process | None = None) -> None:
 
 def demo_process(workdir: Path, name: str, port: int, fault: str, hold_s: float,
                  pace_s: float = 0.0, requests: int = 400,
-                 python: str = sys.executable) -> Process:
+                 python: str = sys.executable, calibrate: int = 64) -> Process:
+    """``calibrate``: the demo's sidecar learns its tolerance from that many clean blocks, so
+    the dashboard's noise-floor and drift panels have data (0: the fixed table)."""
     argv = [python, "-m", "sidecar.cli", "demo", "--fault", fault, "--port", str(port),
-            "--hold", f"{hold_s:g}", "--pace", f"{pace_s:g}", "--requests", str(requests)]
+            "--hold", f"{hold_s:g}", "--pace", f"{pace_s:g}", "--requests", str(requests),
+            "--calibrate", str(calibrate)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     return Process(name, argv, workdir / f"{name}.log", env=env)

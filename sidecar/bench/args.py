@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exit 1 unless every fault is caught (recall 1.0, or an allocator "
                         "signal) with no false alarm and every clean run is clean")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--calibrate", type=int, default=64, metavar="N",
+                   help="the sidecar calibrates its tolerance from the first N clean blocks "
+                        "of every run (default: 64, done before any fault starts; 0: the "
+                        "fixed tolerance table)")
+    p.add_argument("--calibration-multiple", type=float, default=4.0, metavar="X",
+                   help="calibrated tolerance = X x noise floor (default: 4)")
 
 
 def _positive(text: str) -> int:

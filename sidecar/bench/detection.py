@@ -22,7 +22,9 @@ the engine's ground truth:
 
 Clean runs (one per dtype and storage format) verify every block of every hit until at
 least ``--clean-samples`` blocks were verified and report false positives, the measured
-noise floor (largest recompute error) and the tolerance used. Then the sampling policies
+noise floor (largest recompute error) and the tolerance used: calibrated by the sidecar
+from the first ``--calibrate`` clean blocks of each run (the floor it learnt is reported
+too), or the fixed table with ``--calibrate 0``. Then the sampling policies
 at equal budget (:mod:`.policies`) and the fingerprint digest's throughput (:mod:`.digest`).
 """
 
@@ -57,7 +59,8 @@ def fault_row(r: ScenarioResult) -> dict[str, Any]:
         "kinds": sorted(r.kinds), "kind_counts": dict(sorted(r.kinds.items())),
         "false_alarms": r.false_alarm_blocks, "verified_hits": r.verified_hits,
         "verified": r.verified_blocks, "noise_floor": r.max_clean_error,
-        "tolerance": r.tolerance, "injections": r.injections,
+        "tolerance": r.tolerance, "calibrated_floor": r.calibrated_floor,
+        "injections": r.injections,
         "first_injection_request": r.first_injection_request,
         "allocator_signals": dict(sorted(r.allocator_alarms.items(), key=lambda kv: kv[1])),
         "requests_to_allocator_detection": r.requests_to_allocator_detection,
@@ -72,6 +75,7 @@ def clean_row(r: ScenarioResult) -> dict[str, Any]:
         "verified": r.verified_blocks, "verified_hits": r.verified_hits,
         "false_positives": r.false_alarm_blocks, "false_positive_hits": r.false_alarm_hits,
         "affected": r.affected, "noise_floor": noise, "tolerance": r.tolerance,
+        "calibrated_floor": r.calibrated_floor,
         "margin": round(r.tolerance / noise, 1) if noise > 0 else None,
         "allocator_false_alarms": sorted(r.allocator_alarms), "wall_s": round(r.wall_s, 2),
     }
@@ -109,13 +113,19 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(FAULTS)}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    if args.calibrate < 0 or not args.calibration_multiple >= 1:
+        print("kv-sidecar: error: --calibrate must be >= 0 and --calibration-multiple >= 1",
+              file=sys.stderr)
+        return 2
+    cal = {"calibration_samples": args.calibrate,
+           "calibration_multiple": args.calibration_multiple}
     fault_runs = [Scenario(fault=f, dtype=d, requests=args.requests,
                            sample_every=args.sample_every,
-                           blocks_per_sample=args.blocks_per_sample, seed=args.seed)
+                           blocks_per_sample=args.blocks_per_sample, seed=args.seed, **cal)
                   for f in faults for d in args.dtype]
     storages = [None if s == "model" else s for s in args.clean_storage]
     clean_runs = [Scenario(dtype=d, kv_storage=s, sample_every=1, requests=200,
-                           seed=args.seed, min_verified_blocks=args.clean_samples)
+                           seed=args.seed, min_verified_blocks=args.clean_samples, **cal)
                   for d in args.dtype for s in storages] if args.clean_samples > 0 else []
     policy_runs = policies.scenarios(args.policy_seeds, 8, 2, 200) \
         if args.policy_seeds > 0 else []
@@ -138,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
                      "blocks_per_sample": args.blocks_per_sample or "all",
                      "clean_samples": args.clean_samples, "policy_seeds": args.policy_seeds,
                      "policy_sample_every": 8, "policy_blocks_per_sample": 2,
-                     "seed": args.seed, "jobs": args.jobs},
+                     "seed": args.seed, "jobs": args.jobs,
+                     "calibration_samples": args.calibrate,
+                     "calibration_multiple": args.calibration_multiple},
     }
     report["wall_s"] = round(time.perf_counter() - started, 1)
     problems = failures(report, args.clean_samples)

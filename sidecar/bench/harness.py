@@ -60,6 +60,10 @@ class Scenario:
     kv_digest: bool = True
     # Keep serving (in chunks of 50 requests) until this many blocks were verified.
     min_verified_blocks: int = 0
+    # Clean blocks the sidecar calibrates its tolerance from (0: the fixed table); the
+    # bench's 64 are verified before a fault's start_after (20 requests) in every dtype.
+    calibration_samples: int = 0
+    calibration_multiple: float = 4.0
 
     def label(self) -> str:
         storage = f"+{self.kv_storage}" if self.kv_storage else ""
@@ -93,7 +97,8 @@ class ScenarioResult:
     first_injection_request: int | None = None
     # allocator signal -> index of the last request submitted when it first fired
     allocator_alarms: dict[str, int] = field(default_factory=dict)
-    tolerance: float = 0.0
+    tolerance: float = 0.0  # in use at the end of the run (calibrated, where it was)
+    calibrated_floor: float | None = None
     wall_s: float = 0.0
 
     @property
@@ -281,9 +286,10 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
     deferred = _Deferred(make_sampler(sc.policy, sc.sample_every, engine.block_size, sc.seed))
     monitor = Monitor(adapter, SidecarConfig(
         sample_every=sc.sample_every, blocks_per_sample=sc.blocks_per_sample or ALL_BLOCKS,
-        recompute_tokens_per_s=0, seed=sc.seed, allocator_check_min_interval_s=-1),
-        sampler=deferred)
-    result = ScenarioResult(sc, engine.config.kv_storage, tolerance=monitor.verifier.tolerance)
+        recompute_tokens_per_s=0, seed=sc.seed, allocator_check_min_interval_s=-1,
+        calibration_samples=sc.calibration_samples,
+        calibration_multiple=sc.calibration_multiple), sampler=deferred)
+    result = ScenarioResult(sc, engine.config.kv_storage)
     engine.sink = BenchSink(engine, monitor, deferred, result)
     # Conversations open lazily (a few at a time), so a generous count changes nothing
     # but lets a run extend until it verified enough blocks.
@@ -296,6 +302,9 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
     injections = engine.fault.injections
     result.injections = len(injections)
     result.first_injection_request = min((i.request_index for i in injections), default=None)
+    result.tolerance = monitor.verifier.tolerance
+    states = monitor.verifier.calibration.states()
+    result.calibrated_floor = states[0].floor if states else None
     result.wall_s = time.perf_counter() - started
     return result
 

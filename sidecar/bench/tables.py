@@ -53,12 +53,18 @@ def render(report: dict[str, Any]) -> str:
               ", ".join(f"{k} ({v})" for k, v in r["allocator_signals"].items()),
               r["false_alarms"]) for r in allocator]))
     if report["clean"]:
-        parts.append("\nClean runs (every block of every hit verified)\n")
+        s = report["settings"]
+        how = (f"calibrated: {s.get('calibration_multiple')} x the floor of the first "
+               f"{s.get('calibration_samples')} clean blocks") \
+            if s.get("calibration_samples") else "fixed table"
+        parts.append(f"\nClean runs (every block of every hit verified; tolerance {how})\n")
         parts.append(_table(
             ["dtype", "KV storage", "verified blocks", "verified hits", "false positives",
-             "noise floor", "tolerance", "margin", "allocator false alarms"],
+             "noise floor", "calibrated floor", "tolerance", "margin",
+             "allocator false alarms"],
             [(r["dtype"], _storage(r), r["verified"], r["verified_hits"],
-              r["false_positives"], r["noise_floor"], r["tolerance"],
+              r["false_positives"], r["noise_floor"], r.get("calibrated_floor"),
+              r["tolerance"],
               f"{r['margin']}x" if r["margin"] else None,
               ", ".join(r["allocator_false_alarms"]) or 0) for r in report["clean"]]))
     if report["policies"]:

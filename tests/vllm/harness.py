@@ -44,7 +44,9 @@ class Engine:
     dtype: str
 
 
-def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1) -> Engine:
+def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
+                 **sidecar: Any) -> Engine:
+    """``sidecar``: extra SidecarConfig fields (the tolerance tests calibrate)."""
     from vllm import LLM
 
     from sidecar.adapters.vllm.engine_config import llm_kwargs, llm_submit
@@ -59,7 +61,7 @@ def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1) -
         model_dir=model, dtype=dtype, block_size=BLOCK, probe_endpoint=probe,
         events_endpoint=events, replay_endpoint=replay, reference="engine", deferred=True,
         sidecar=SidecarConfig(sample_every=1, adapter_timeout_s=20.0,
-                              recompute_tokens_per_s=0))
+                              recompute_tokens_per_s=0, **sidecar))
     sc = VllmSidecar(cfg, submit=lambda t, s: holder["submit"](t, s),
                      metrics_source=registry_source()).start()
     llm = LLM(model=model, dtype=dtype, block_size=BLOCK, enforce_eager=True,
@@ -109,4 +111,17 @@ def copy_block(worker: Any, src: int, dst: int) -> int:
     """Overwrite ``dst`` with ``src``'s KV: realistic values, wrong content (stale reuse)."""
     for t in worker.model_runner.kv_caches:
         t[dst].copy_(t[src])
+    return len(worker.model_runner.kv_caches)
+
+
+def add_noise(worker: Any, block_id: int, relative: float, seed: int = 0) -> int:
+    """Multiply every K/V element of ``block_id`` by ``1 + relative * N(0, 1)`` (computed in
+    float32, stored back in the cache's dtype): a small, silent corruption."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for t in worker.model_runner.kv_caches:
+        x = t[block_id].float()
+        x *= 1 + relative * torch.randn(x.shape, generator=g)
+        t[block_id].copy_(x.to(t.dtype))
     return len(worker.model_runner.kv_caches)

@@ -97,6 +97,10 @@ class VllmAdapter:
         return self.info
 
     reread = False  # blocks are copied out at match time by the probe, never read later
+    @property
+    def reference_kind(self) -> str:
+        """The current reference's kind, for the verifier's per-reference tolerance."""
+        return getattr(self.reference, "kind", "independent")
 
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         raise AdapterError("vLLM blocks can only be read at match time, through the probe's "

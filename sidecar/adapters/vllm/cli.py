@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from sidecar import tolerance
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
 from sidecar.adapters.vllm.hashing import ALGOS
 
@@ -50,7 +51,8 @@ def _serve(a: argparse.Namespace) -> int:
         reference=a.reference, allocator_every_s=a.poll_every,
         sidecar=SidecarConfig(sample_every=1, blocks_per_sample=a.blocks_per_sample,
                               adapter_timeout_s=a.adapter_timeout,
-                              recompute_tokens_per_s=a.recompute_budget))
+                              recompute_tokens_per_s=a.recompute_budget,
+                              **tolerance.config_fields(a)))
     sc = VllmSidecar(cfg).start()
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port).start()
     print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
@@ -104,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--port", type=int, default=9400)
         s.add_argument("--duration", type=float, default=0.0,
                        help="stop after this many seconds and print the summary (0: run)")
+        tolerance.add_arguments(s)
         s.set_defaults(fn=_serve)
     return p
 

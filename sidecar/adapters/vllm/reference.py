@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 class Reference(Protocol):
     name: str
+    kind: str  # "independent" or "engine": the tolerance is calibrated per kind
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]: ...
 
@@ -50,6 +51,7 @@ class HFReference:
     """Prefill with transformers on the checkpoint vLLM serves (see the module docstring)."""
 
     name = "hf"
+    kind = "independent"
 
     def __init__(self, model_dir: str, info: EngineInfo) -> None:
         require("hf-reference")  # transformers is the [hf] extra, not the lean runtime
@@ -86,6 +88,7 @@ class EngineReference:
     server, or a function calling ``LLM.generate`` in-process."""
 
     name = "engine"
+    kind = "engine"
 
     def __init__(self, receiver: ProbeReceiver, submit: Submit, block_size: int,
                  timeout_s: float = 4.0) -> None:

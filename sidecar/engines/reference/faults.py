@@ -445,12 +445,30 @@ class QuantizationDrift(Fault):
                                            "its values need")
 
 
+class StorageDowncast(Fault):
+    name = "storage-downcast"
+    description = ("a full block's K/V silently round-trips through fp8 (e4m3, no scale) "
+                   "on store: plausible values, a few percent off, digest taken after")
+    corrupts_kv = True
+    default_probability = 0.1
+
+    def on_block_full(self, engine: ReferenceEngine, seq: RunningSequence,
+                      block_id: int) -> None:
+        pool = engine.pool
+        if pool.kv_storage is not None or not (self.active(seq.seq_id) and self.chance()):
+            return  # quantised storage has its own format (quantization-drift)
+        for store in (pool.key, pool.value):
+            blk = store[:, block_id]
+            blk.copy_(blk.to(torch.float8_e4m3fn).to(blk.dtype))
+        self.record(seq.seq_id, block_id, "K and V round-tripped through float8_e4m3fn")
+
+
 # ---------------------------------------------------------------------- registry
 FAULTS: dict[str, type[Fault]] = {
     cls.name: cls
     for cls in (Fault, ZeroBlock, NonFinite, BoundaryOffByOne, StaleReuse, KeyMissingField,
                 HashCollision, PrematureFree, Leak, BitFlip, Fragmentation, TornWrite,
-                FailedLoadAsHit, LayoutMismatch, QuantizationDrift)
+                FailedLoadAsHit, LayoutMismatch, QuantizationDrift, StorageDowncast)
 }
 
 
