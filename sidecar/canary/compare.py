@@ -60,14 +60,16 @@ class Tolerance:
     """``max(hard floor, multiple x noise floor)``, capped at the dtype's ceiling.
 
     The noise floor is the largest divergence seen over the first ``calibration`` clean
-    pairs (miss vs miss in salt mode; hit vs miss otherwise, where a pair above the ceiling
-    is an anomaly, never noise). Until calibrated the ceiling is in force, so a gross fault
-    is caught from the first pair."""
+    pairs. In salt mode a sample is miss vs miss, which no cache fault can touch
+    (``trusted``): the tolerance follows it from the first sample. Otherwise a sample is hit
+    vs miss, so until calibrated the ceiling is in force (a gross fault is caught from the
+    first pair) and a sample above the ceiling is an anomaly, never noise."""
 
     dtype: str
     calibration: int = 8
     thresholds: CanaryThresholds = CANARY_THRESHOLDS
     noise: list[float] = field(default_factory=list)
+    trusted: bool = False
 
     @property
     def floor(self) -> float:
@@ -87,7 +89,7 @@ class Tolerance:
 
     @property
     def value(self) -> float:
-        if not self.calibrated:
+        if not self.calibrated and not (self.trusted and self.noise):
             return self.ceiling
         return min(self.ceiling, max(self.floor, self.thresholds.multiple * self.noise_floor))
 

@@ -87,6 +87,7 @@ class Canary:
         self.client.complete(probe, 1, self.cfg.logprobs)
         if self.mode == "auto":
             self.mode = "salt" if self._salt_isolates(probe) else "pair"
+        self.tolerance.trusted = self.mode == "salt"
         self.report.mode = self.mode
         self.exporter.metrics.gauge(S.CANARY_TOLERANCE).set(self.tolerance.value)
 
