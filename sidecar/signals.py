@@ -217,6 +217,12 @@ class AuditKind(enum.StrEnum):
     METRICS_UNDER_REPORTED = "metrics_under_reported"
 
 
+# Audit kinds that are a lie whatever the load: the hit-counter alert fires on these. An
+# under-report can be a legitimate eviction between the two sends of a pair.
+AUDIT_ALARM_KINDS: tuple[AuditKind, ...] = (
+    AuditKind.PHANTOM_HIT, AuditKind.OVER_REPORTED, AuditKind.METRICS_UNDER_REPORTED)
+
+
 @dataclass(frozen=True)
 class CanaryThresholds:
     """The canary's tolerance: ``max(hard_floor[dtype], multiple x calibrated noise)``, and

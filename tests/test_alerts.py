@@ -117,6 +117,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarSamplesDropped": WARNING,
         "KVSidecarDown": WARNING,
         "KVSidecarAbsent": WARNING,
+        "KVCacheHitCounterMismatch": WARNING,
     }
 
 

@@ -18,10 +18,10 @@ from sidecar.canary.client import OpenAIClient
 from sidecar.canary.endpoint import CanaryError, parse_endpoint
 from sidecar.canary.load import RateLimit
 from sidecar.canary.runner import MODES, CanaryConfig, Report, make_canary
+from sidecar.signals import AUDIT_ALARM_KINDS
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
-ALARMS = ("phantom_hit", "over_reported", "metrics_under_reported")
 
 
 def add_parser(sub: Any) -> None:
@@ -157,5 +157,5 @@ def _run(args: argparse.Namespace) -> int:
             s.stop()
     print(json.dumps(report.as_dict(), indent=1, sort_keys=True) if args.json
           else format_report(report), flush=True)
-    alarms = report.anomalies + sum(report.audit.get(k, 0) for k in ALARMS)
+    alarms = report.anomalies + sum(report.audit.get(k.value, 0) for k in AUDIT_ALARM_KINDS)
     return 1 if cfg.pairs and alarms else 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +88,7 @@ class OpenAIClient:
         except ConnectionRefusedError:
             raise RequestFailed("connect", f"connection refused by {ep.root}: is the "
                                 "server running on that port?") from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise RequestFailed("timeout", f"{ep.root}{url} did not answer within "
                                 f"{self.timeout_s:g}s") from None
         except (OSError, http.client.HTTPException) as exc:

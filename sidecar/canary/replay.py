@@ -88,7 +88,11 @@ class ReplayProxy:
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every queued replay has been compared (for tests and shutdown)."""
         done = threading.Event()
-        threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True).start()
+
+        def wait() -> None:
+            self._queue.join()
+            done.set()
+        threading.Thread(target=wait, daemon=True).start()
         done.wait(timeout_s)
 
     # ------------------------------------------------------------------ forwarding

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar import signals as S
 from sidecar.canary.audit import MetricsAudit, audit_pair, counter_sum, proven_hit_tokens
 from sidecar.canary.client import OpenAIClient, RequestFailed
 from sidecar.canary.compare import Tolerance, divergence
@@ -16,7 +17,6 @@ from sidecar.canary.endpoint import CanaryError
 from sidecar.canary.exporter import CanaryExporter
 from sidecar.canary.load import RateLimit
 from sidecar.canary.probes import PromptFactory, boundary_lengths, run_pair
-from sidecar import signals as S
 from sidecar.signals import AuditKind
 
 log = logging.getLogger(__name__)

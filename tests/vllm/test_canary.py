@@ -29,7 +29,7 @@ from sidecar.canary.endpoint import parse_endpoint
 from sidecar.canary.load import RateLimit
 from sidecar.canary.probes import expected_cached
 from sidecar.canary.replay import ReplayProxy
-from sidecar.canary.runner import CanaryConfig, make_canary
+from sidecar.canary.runner import Canary, CanaryConfig, make_canary
 from sidecar.cli import main
 from tests.vllm.conftest import MEASUREMENTS
 from tests.vllm.usage_doctor import UsageDoctor
@@ -109,7 +109,7 @@ def server(request: pytest.FixtureRequest, tiny_model: str,
             proc.wait()
 
 
-def _canary(endpoint: str, dtype: str, pairs: int, seed: int, mode: str = "auto"):  # noqa: ANN202
+def _canary(endpoint: str, dtype: str, pairs: int, seed: int, mode: str = "auto") -> Canary:
     client = OpenAIClient(parse_endpoint(endpoint), timeout_s=60)
     cfg = CanaryConfig(dtype=dtype, block_size=BLOCK, mode=mode, pairs=pairs, seed=seed,
                        calibration=6, rate=RateLimit(FAST.fraction, FAST.min_rate,
@@ -117,7 +117,7 @@ def _canary(endpoint: str, dtype: str, pairs: int, seed: int, mode: str = "auto"
     return make_canary(client, cfg)
 
 
-def _hitting_pairs(canary, pairs: int) -> int:  # noqa: ANN001
+def _hitting_pairs(canary: Canary, pairs: int) -> int:
     """Pairs whose prompt has at least one full block a repeat can hit."""
     return sum(1 for i in range(pairs)
                if expected_cached(canary.lengths[i % len(canary.lengths)], BLOCK) > 0)
