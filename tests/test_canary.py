@@ -85,6 +85,8 @@ class FakeServer:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
+
             def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
@@ -114,7 +116,7 @@ class FakeServer:
         return Handler
 
     def __enter__(self) -> FakeServer:
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

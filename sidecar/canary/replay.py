@@ -72,7 +72,7 @@ class ReplayProxy:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def start(self) -> ReplayProxy:
-        for target, name in ((self.httpd.serve_forever, "canary-proxy"),
+        for target, name in ((lambda: self.httpd.serve_forever(0.1), "canary-proxy"),
                              (self._replay_loop, "canary-replay")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -125,6 +125,8 @@ class ReplayProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
+
             def _proxy(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""

@@ -23,7 +23,7 @@ class UsageDoctor:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def __enter__(self) -> UsageDoctor:
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -42,6 +42,8 @@ class UsageDoctor:
         doc = self
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
+
             def _relay(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 data = self.rfile.read(n) if n else None
