@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from sidecar import signals as S
 from sidecar.canary.client import OpenAIClient
@@ -154,6 +155,9 @@ def test_zeroed_cache_blocks_are_caught(server: Server) -> None:
     assert m.value(S.ANOMALIES.name, group="0",
                    kind=S.AnomalyKind.RECOMPUTE_MISMATCH.value) == hitting
     assert m.value(S.VERIFIED.name, group="0") == 9
+    exposition = generate_latest(m.registry).decode()
+    assert f'{S.ANOMALIES.name}{{engine="canary",group="0",kind="recompute_mismatch"' in \
+        exposition
     caught = sorted(d for d in report.divergences if d > report.tolerance)
     MEASUREMENTS[f"canary: smallest caught divergence ({server.dtype})"] = caught[0]
     assert "zeroed blocks" in server.log.read_text()
@@ -202,3 +206,18 @@ def test_replay_proxy_forwards_unchanged_and_catches_corruption(server: Server) 
         assert proxy.stats["replayed"] == 4 and proxy.stats["anomalies"] == 2, proxy.stats
     finally:
         proxy.stop()
+
+
+def test_example_script_against_the_running_server(server: Server, tmp_path: Path) -> None:
+    if server.dtype != "float32":
+        pytest.skip("one run of the example is enough")
+    port = _free_port()
+    env = {**os.environ, "ENDPOINT": server.endpoint, "DTYPE": server.dtype, "PAIRS": "6",
+           "PY": sys.executable, "RUN": str(tmp_path), "CANARY_PORT": str(port),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "canary" / "canary.sh")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["pairs"] == 6 and report["anomalies"] == 0 and report["audit"] == {}
+    assert f"canary /metrics on http://127.0.0.1:{port}/metrics" in proc.stdout
