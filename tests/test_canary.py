@@ -350,3 +350,9 @@ def test_replay_proxy_forwards_unchanged_and_replays_one_in_n(
     assert proxy.stats["anomalies"] == 0
     replays = [b for b in fake.bodies if b.get("cache_salt", "").startswith("kvsidecar-replay")]
     assert len(replays) == 2 and all(b["temperature"] == 0.0 for b in replays)
+
+
+def test_replay_proxy_refused_where_cache_salt_is_ignored() -> None:
+    with FakeServer(salt=False) as fake:
+        rc, out = _fast(fake.endpoint, "--pairs", "1", "--replay-port", "0")
+    assert rc == 2 and "cache_salt" in out, out

@@ -143,6 +143,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.replay_port is not None:
             from sidecar.canary.replay import ReplayProxy
 
+            if canary.mode != "salt":
+                raise CanaryError("the replay proxy bypasses the cache with cache_salt, and "
+                                  "this server does not honour it (see --mode)")
+
             proxy = ReplayProxy(client, canary.exporter, canary.tolerance, args.replay_every,
                                 port=args.replay_port).start()
             servers.append(proxy)

@@ -61,8 +61,9 @@ class ReplayProxy:
         self._seen = itertools.count(1)
         self._queue: queue.Queue[tuple[str | list[int], str | None] | None] = queue.Queue(
             queue_size)
-        self.stats = {"forwarded": 0, "replayed": 0, "anomalies": 0, "dropped": 0,
-                      "errors": 0, "max_divergence": 0.0}
+        self.stats: dict[str, float] = {"forwarded": 0, "replayed": 0, "anomalies": 0,
+                                         "dropped": 0, "errors": 0, "max_divergence": 0.0}
+        self._stats_lock = threading.Lock()  # handler threads and the replay worker
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
@@ -95,6 +96,10 @@ class ReplayProxy:
         threading.Thread(target=wait, daemon=True).start()
         done.wait(timeout_s)
 
+    def _count(self, key: str, amount: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += amount
+
     # ------------------------------------------------------------------ forwarding
     def forward(self, method: str, path: str, headers: dict[str, str],
                 body: bytes) -> http.client.HTTPResponse:
@@ -118,7 +123,7 @@ class ReplayProxy:
         try:
             self._queue.put_nowait((prompt, req.get("model")))
         except queue.Full:
-            self.stats["dropped"] += 1
+            self._count("dropped")
             self.exporter.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -147,7 +152,7 @@ class ReplayProxy:
                     self.wfile.write(chunk)
                     self.wfile.flush()
                 resp.close()
-                proxy.stats["forwarded"] += 1
+                proxy._count("forwarded")
                 if self.command == "POST" and resp.status == 200:
                     proxy.maybe_sample(self.path, body)
 
@@ -168,7 +173,7 @@ class ReplayProxy:
                 self._replay(*job)
             except Exception:  # a replay must never take the proxy down
                 log.exception("canary replay failed")
-                self.stats["errors"] += 1
+                self._count("errors")
             finally:
                 self._queue.task_done()
 
@@ -179,7 +184,7 @@ class ReplayProxy:
                                        salt=f"kvsidecar-replay-{uuid.uuid4().hex}")
         except RequestFailed as exc:
             self.exporter.error(exc.reason)
-            self.stats["errors"] += 1
+            self._count("errors")
             return
         self.exporter.request("replay", hit)
         self.exporter.request("reference", ref)
@@ -187,9 +192,10 @@ class ReplayProxy:
         tol = self.tolerance.value
         anomalous = d > tol
         self.exporter.verdict(d, tol, anomalous, hit.latency_s + ref.latency_s)
-        self.stats["replayed"] += 1
-        self.stats["anomalies"] += int(anomalous)
-        self.stats["max_divergence"] = max(float(self.stats["max_divergence"]), d)
+        self._count("replayed")
+        self._count("anomalies", int(anomalous))
+        with self._stats_lock:
+            self.stats["max_divergence"] = max(self.stats["max_divergence"], d)
         if anomalous:
             log.warning("canary replay: cached answer diverges by %.3g (tolerance %.3g)",
                         d, tol)

@@ -155,6 +155,9 @@ def test_zeroed_cache_blocks_are_caught(server: Server) -> None:
     assert m.value(S.ANOMALIES.name, group="0",
                    kind=S.AnomalyKind.RECOMPUTE_MISMATCH.value) == hitting
     assert m.value(S.VERIFIED.name, group="0") == 9
+    # vLLM's /metrics hit counter was read and kept up with the hits it reported.
+    assert canary.metrics_audit.start is not None and canary.metrics_audit.proven > 0
+    assert report.audit == {}
     exposition = generate_latest(m.registry).decode()
     assert f'{S.ANOMALIES.name}{{engine="canary",group="0",kind="recompute_mismatch"' in \
         exposition
