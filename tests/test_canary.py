@@ -356,3 +356,14 @@ def test_replay_proxy_refused_where_cache_salt_is_ignored() -> None:
     with FakeServer(salt=False) as fake:
         rc, out = _fast(fake.endpoint, "--pairs", "1", "--replay-port", "0")
     assert rc == 2 and "cache_salt" in out, out
+
+
+def test_a_restarted_canary_sends_fresh_prompts() -> None:
+    with FakeServer() as fake:
+        runs = [json.loads(_fast(fake.endpoint, "--pairs", "3", "--json")[1])
+                for _ in range(2)]
+        seeded = [json.loads(_fast(fake.endpoint, "--pairs", "3", "--json", "--seed", "5")[1])
+                  for _ in range(2)]
+    assert runs[0]["audit"] == runs[1]["audit"] == {} == seeded[0]["audit"]
+    # The same seed on a server that cached the first run: its "misses" are real hits.
+    assert seeded[1]["audit"].get("phantom_hit", 0) >= 1

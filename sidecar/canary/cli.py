@@ -57,7 +57,9 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--max-rate", type=float, default=2.0,
                    help="requests/s never exceeded (used when the server has no /metrics)")
     c.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=None,
+                   help="seed the probe prompts (default: fresh ones every run; a fixed seed "
+                        "resends prompts the server may have cached since)")
     c.add_argument("--port", type=int, default=None,
                    help="serve the canary's /metrics on this 127.0.0.1 port (0: any)")
     c.add_argument("--replay-port", type=int, default=None,

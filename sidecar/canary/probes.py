@@ -43,9 +43,11 @@ def expected_cached(prompt_len: int, block_size: int) -> int:
 
 
 class PromptFactory:
-    """Unique random prompts over token ids ``[low, high)`` (seeded, so runs repeat)."""
+    """Unique random prompts over token ids ``[low, high)``. Unseeded by default: a canary
+    restarted with a fixed seed would resend prompts the server has already cached, and its
+    "guaranteed misses" would be hits (pass a seed only to repeat a run on a fresh server)."""
 
-    def __init__(self, low: int, high: int, seed: int = 0) -> None:
+    def __init__(self, low: int, high: int, seed: int | None = None) -> None:
         if not 0 <= low < high:
             raise ValueError(f"bad token range [{low}, {high})")
         self.low, self.high = low, high

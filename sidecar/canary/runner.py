@@ -33,7 +33,7 @@ class CanaryConfig:
     logprobs: int = 5
     token_low: int = 3
     token_high: int = 500
-    seed: int = 0
+    seed: int | None = None  # None: fresh prompts on every run (see PromptFactory)
     calibration: int = 8
     rate: RateLimit = field(default_factory=RateLimit)
     metrics_every: int = 4  # pairs between reads of the server's /metrics
