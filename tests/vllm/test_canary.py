@@ -38,6 +38,8 @@ from tests.vllm.usage_doctor import UsageDoctor
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
+# Checks the dtype does not change run on the fp32 server only (the same server instance).
+FP32_ONLY = pytest.mark.parametrize("server", ["float32"], indirect=True)
 FAST = RateLimit(fraction=1.0, min_rate=100.0, max_rate=100.0)  # a test server: no pacing
 
 
@@ -166,9 +168,8 @@ def test_zeroed_cache_blocks_are_caught(server: Server) -> None:
     assert "zeroed blocks" in server.log.read_text()
 
 
+@FP32_ONLY
 def test_doctored_cached_tokens_are_flagged(server: Server) -> None:
-    if server.dtype != "float32":
-        pytest.skip("the audit does not depend on the dtype: one server is enough")
     with UsageDoctor(server.port) as doctor:
         canary = _canary(doctor.url + "/v1", server.dtype, pairs=6, seed=21)
         report = canary.run()
@@ -182,9 +183,8 @@ def test_doctored_cached_tokens_are_flagged(server: Server) -> None:
                    kind=S.AuditKind.PHANTOM_HIT.value) == 6
 
 
+@FP32_ONLY
 def test_replay_proxy_forwards_unchanged_and_catches_corruption(server: Server) -> None:
-    if server.dtype != "float32":
-        pytest.skip("one replay check is enough")
     canary = _canary(server.endpoint, server.dtype, pairs=6, seed=31)
     canary.run()  # calibrates the tolerance the proxy uses
     proxy = ReplayProxy(canary.client, canary.exporter, canary.tolerance, every=2).start()
@@ -211,9 +211,8 @@ def test_replay_proxy_forwards_unchanged_and_catches_corruption(server: Server) 
         proxy.stop()
 
 
+@FP32_ONLY
 def test_example_script_against_the_running_server(server: Server, tmp_path: Path) -> None:
-    if server.dtype != "float32":
-        pytest.skip("one run of the example is enough")
     port = _free_port()
     env = {**os.environ, "ENDPOINT": server.endpoint, "DTYPE": server.dtype, "PAIRS": "6",
            "PY": sys.executable, "RUN": str(tmp_path), "CANARY_PORT": str(port),
