@@ -153,29 +153,6 @@ fleet = [
      12, 9),
 ]
 
-# The black-box canary (sidecar/canary, engine="canary"): the rows above read its shared
-# signals; this row has what only the canary has.
-canary = [
-    (timeseries("Canary probe latency", "Latency of the canary's requests to the server, by "
-                "role (miss, hit, reference, replay): a hit slower than a miss means the "
-                "cache is not saving work.", "s",
-                [(quantile(0.5, S.CANARY_PROBE_LATENCY, "role"), "P50 {{role}}"),
-                 (quantile(0.99, S.CANARY_PROBE_LATENCY, "role"), "P99 {{role}}")]), 8, 8),
-    (timeseries("Canary divergence and tolerance", "Largest top-k logprob difference "
-                "between the cached and uncached answers of the last pair, next to the "
-                "calibrated tolerance it is held to.", "short",
-                [(f"max by (instance) ({sel(S.CANARY_LOGPROB_DIVERGENCE)})",
-                  "divergence {{instance}}"),
-                 (f"max by (instance) ({sel(S.CANARY_TOLERANCE)})",
-                  "tolerance {{instance}}")]), 8, 8),
-    (timeseries("Hit-counter audit", "Server-reported cached tokens the canary's pairs "
-                "disprove, by kind (see the KVCacheHitCounterMismatch runbook); canary "
-                "request errors by reason.", "cps",
-                [(rate(S.HIT_AUDIT_MISMATCHES, "kind"), "{{kind}}"),
-                 (rate(S.CANARY_ERRORS, "reason"), "error: {{reason}}")],
-                steps("green", (ANY, "red"))), 8, 8),
-]
-
 dashboard = Dashboard(
     title="kv-sidecar / Overview",
     uid="kv-sidecar-overview",
@@ -195,6 +172,5 @@ dashboard = Dashboard(
         ("Allocator health", allocator),
         ("Latency", latency),
         ("Fleet", fleet),
-        ("Canary", canary),
     ]),
 ).auto_panel_ids()

@@ -371,17 +371,9 @@ def test_a_restarted_canary_sends_fresh_prompts() -> None:
     assert seeded[1]["audit"].get("phantom_hit", 0) >= 1
 
 
-def test_canary_signals_have_a_dashboard_row_and_an_alert() -> None:
-    root = Path(__file__).resolve().parents[1]
-    board = json.loads((root / "dashboards" / "overview.json").read_text())
-    rows = [p for p in board["panels"] if p["type"] == "row"]
-    assert rows[-1]["title"] == "Canary"
-    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
-    for sig in S.CANARY_SIGNALS:
-        assert sig.name.removesuffix("_total").removesuffix("_seconds") in exprs, sig.name
-    rules = (root / "alerts" / "kv-sidecar.rules.yml").read_text()
-    assert "alert: KVCacheHitCounterMismatch" in rules
-    for kind in S.AUDIT_ALARM_KINDS:
-        assert kind.value in rules
-    alarm = re.search(r'kind=~"([^"]+)"', rules.split("alert: KVCacheHitCounterMismatch")[1])
-    assert alarm and S.AuditKind.UNDER_REPORTED.value not in alarm.group(1).split("|")
+def test_hit_counter_alert_fires_on_lies_only() -> None:
+    rules = (Path(__file__).resolve().parents[1] / "alerts" / "kv-sidecar.rules.yml").read_text()
+    alert = rules.split("alert: KVCacheHitCounterMismatch")[1]
+    alarm = re.search(r'kind=~"([^"]+)"', alert)
+    assert alarm and alarm.group(1).split("|") == [k.value for k in S.AUDIT_ALARM_KINDS]
+    assert S.AuditKind.UNDER_REPORTED.value not in alarm.group(1).split("|")  # evictions
