@@ -127,9 +127,13 @@ class FakeServer:
 
 
 def _cli(*args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    """Exit code and stdout; errors (stderr) are appended so messages can be asserted."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["canary", *args])
+    if rc == 2:
+        assert out.getvalue() == "", "errors go to stderr"
+        return rc, err.getvalue()
     return rc, out.getvalue()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -123,7 +124,7 @@ def run_canary(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except CanaryError as exc:
-        print(f"kv-sidecar canary: error: {exc}", flush=True)
+        print(f"kv-sidecar canary: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -141,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
             srv = SidecarServer(canary.exporter.metrics.registry,
                                 lambda: canary.report.as_dict(), port=args.port).start()
             servers.append(srv)
-            print(f"canary /metrics on {srv.url}/metrics", flush=True)
+            print(f"canary /metrics on {srv.url}/metrics", file=sys.stderr, flush=True)
         if args.replay_port is not None:
             from sidecar.canary.replay import ReplayProxy
 
@@ -152,7 +153,8 @@ def _run(args: argparse.Namespace) -> int:
             proxy = ReplayProxy(client, canary.exporter, canary.tolerance, args.replay_every,
                                 port=args.replay_port).start()
             servers.append(proxy)
-            print(f"replay proxy on {proxy.url} -> {endpoint.root}", flush=True)
+            print(f"replay proxy on {proxy.url} -> {endpoint.root}", file=sys.stderr,
+                  flush=True)
         try:
             report = canary.run(stop)
         except KeyboardInterrupt:

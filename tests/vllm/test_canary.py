@@ -222,4 +222,4 @@ def test_example_script_against_the_running_server(server: Server, tmp_path: Pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["pairs"] == 6 and report["anomalies"] == 0 and report["audit"] == {}
-    assert f"canary /metrics on http://127.0.0.1:{port}/metrics" in proc.stdout
+    assert f"canary /metrics on http://127.0.0.1:{port}/metrics" in proc.stderr
