@@ -381,3 +381,11 @@ def test_hit_counter_alert_fires_on_lies_only() -> None:
     alarm = re.search(r'kind=~"([^"]+)"', alert)
     assert alarm and alarm.group(1).split("|") == [k.value for k in S.AUDIT_ALARM_KINDS]
     assert S.AuditKind.UNDER_REPORTED.value not in alarm.group(1).split("|")  # evictions
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "70000"), ("--pairs", "-1"),
+                                         ("--dtype", "int3")])
+def test_bad_flags_exit_2(flag: str, value: str) -> None:
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
+        main(["canary", "--endpoint", "http://127.0.0.1:1/v1", flag, value])
+    assert exc.value.code == 2

@@ -61,9 +61,9 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--seed", type=int, default=None,
                    help="seed the probe prompts (default: fresh ones every run; a fixed seed "
                         "resends prompts the server may have cached since)")
-    c.add_argument("--port", type=int, default=None,
+    c.add_argument("--port", type=_port, default=None,
                    help="serve the canary's /metrics on this 127.0.0.1 port (0: any)")
-    c.add_argument("--replay-port", type=int, default=None,
+    c.add_argument("--replay-port", type=_port, default=None,
                    help="also run the replay proxy on this 127.0.0.1 port (0: any)")
     c.add_argument("--replay-every", type=_positive, default=100,
                    help="the proxy replays 1 in N completions requests")
@@ -74,6 +74,13 @@ def _positive(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {v}")
     return v
 
 
