@@ -14,8 +14,9 @@ divergence and tolerance), :mod:`.audit` (hit-counter audit), :mod:`.load` (rate
 a fraction of the server's load), :mod:`.exporter` (signals), :mod:`.runner` (the loop),
 :mod:`.replay` (the optional replay proxy) and :mod:`.cli`.
 
-Only the standard library is used on the request path: the canary runs beside a server
-without torch or the engine's packages.
+The request path (endpoint, client, probes, compare, audit, load) is standard
+library only; the exporter reuses the sidecar's :class:`~sidecar.metrics.Metrics`, so the
+signals are the same series the in-process sidecar exports.
 """
 
 from sidecar.canary.endpoint import CanaryError, Endpoint, parse_endpoint

@@ -13,13 +13,13 @@ import json
 import logging
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.canary.client import OpenAIClient
 from sidecar.canary.endpoint import CanaryError, parse_endpoint
-from sidecar.canary.load import RateLimit
-from sidecar.canary.runner import MODES, CanaryConfig, Report, make_canary
-from sidecar.signals import AUDIT_ALARM_KINDS
+from sidecar.canary.probes import MODES
+
+if TYPE_CHECKING:  # the runner pulls in the exporter's dependencies: only when run
+    from sidecar.canary.runner import CanaryConfig, Report
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
@@ -102,6 +102,9 @@ def _token_range(text: str) -> tuple[int, int]:
 
 
 def config_from_args(args: argparse.Namespace) -> CanaryConfig:
+    from sidecar.canary.load import RateLimit
+    from sidecar.canary.runner import CanaryConfig
+
     lo, hi = _token_range(args.token_range)
     for name in ("fraction", "min_rate", "max_rate", "timeout"):
         if getattr(args, name) <= 0:
@@ -136,6 +139,10 @@ def run_canary(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from sidecar.canary.client import OpenAIClient
+    from sidecar.canary.runner import make_canary
+    from sidecar.signals import AUDIT_ALARM_KINDS
+
     endpoint = parse_endpoint(args.endpoint, args.allow_remote)
     cfg = config_from_args(args)
     client = OpenAIClient(endpoint, args.model, args.timeout)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from sidecar.canary.client import Completion, OpenAIClient
 
+MODES = ("auto", "pair", "salt")  # auto: salt where the server honours cache_salt
+
 
 def boundary_lengths(block_size: int, blocks: tuple[int, ...] = (1, 2, 3, 5)) -> list[int]:
     """Prompt lengths on and around block boundaries (at least 2 tokens each)."""

@@ -16,11 +16,10 @@ from sidecar.canary.compare import Tolerance, divergence
 from sidecar.canary.endpoint import CanaryError
 from sidecar.canary.exporter import CanaryExporter
 from sidecar.canary.load import RateLimit
-from sidecar.canary.probes import PromptFactory, boundary_lengths, run_pair
+from sidecar.canary.probes import MODES, PromptFactory, boundary_lengths, run_pair
 from sidecar.signals import AuditKind
 
 log = logging.getLogger(__name__)
-MODES = ("auto", "pair", "salt")
 
 
 @dataclass
