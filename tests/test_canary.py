@@ -9,8 +9,12 @@ import contextlib
 import io
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -389,3 +393,36 @@ def test_bad_flags_exit_2(flag: str, value: str) -> None:
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
         main(["canary", "--endpoint", "http://127.0.0.1:1/v1", flag, value])
     assert exc.value.code == 2
+
+
+def test_long_running_canary_serves_metrics_and_stops_on_sigterm() -> None:
+    """As deployed: no --pairs, /metrics on loopback with engine="canary", SIGTERM prints
+    the report and exits 0."""
+    port = _free_port()
+    with FakeServer() as fake:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.cli", "canary", "--endpoint", fake.endpoint,
+             "--block-size", str(BLOCK), "--dtype", "float32", "--port", str(port),
+             "--min-rate", "50", "--max-rate", "50", "--json"],
+            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            deadline, body = time.monotonic() + 30, ""
+            want = f'{S.VERIFIED.name}{{engine="canary",group="0",model="fake"}}'
+            while time.monotonic() < deadline and want not in body:
+                time.sleep(0.2)
+                with contextlib.suppress(OSError):
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                                  timeout=5).read().decode()
+            assert want in body, body[-2000:]
+            assert f'{S.CANARY_PROBE_LATENCY.name}_count{{engine="canary",model="fake",' \
+                   f'role="hit"}}' in body
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["pairs"] >= 1 and report["anomalies"] == 0 and report["audit"] == {}
