@@ -395,15 +395,16 @@ def test_bad_flags_exit_2(flag: str, value: str) -> None:
     assert exc.value.code == 2
 
 
-def test_long_running_canary_serves_metrics_and_stops_on_sigterm() -> None:
-    """As deployed: no --pairs, /metrics on loopback with engine="canary", SIGTERM prints
-    the report and exits 0."""
-    port = _free_port()
+def test_long_running_canary_with_replay_proxy_stops_on_sigterm() -> None:
+    """As deployed: no --pairs, /metrics on loopback with engine="canary", the replay proxy
+    in front of the server, SIGTERM prints the report (replays included) and exits 0."""
+    port, replay_port = _free_port(), _free_port()
     with FakeServer() as fake:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sidecar.cli", "canary", "--endpoint", fake.endpoint,
              "--block-size", str(BLOCK), "--dtype", "float32", "--port", str(port),
-             "--min-rate", "50", "--max-rate", "50", "--json"],
+             "--min-rate", "50", "--max-rate", "50", "--json",
+             "--replay-port", str(replay_port), "--replay-every", "1"],
             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         try:
@@ -415,6 +416,13 @@ def test_long_running_canary_serves_metrics_and_stops_on_sigterm() -> None:
                     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
                                                   timeout=5).read().decode()
             assert want in body, body[-2000:]
+            for i in range(2):  # user traffic through the replay proxy
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{replay_port}/v1/completions",
+                    json.dumps({"model": "fake", "prompt": list(range(i, i + 9)),
+                                "max_tokens": 2, "logprobs": 1}).encode(),
+                    {"Content-Type": "application/json"})
+                assert json.loads(urllib.request.urlopen(req, timeout=10).read())["choices"]
             assert f'{S.CANARY_PROBE_LATENCY.name}_count{{engine="canary",model="fake",' \
                    f'role="hit"}}' in body
             proc.send_signal(signal.SIGTERM)
@@ -426,3 +434,5 @@ def test_long_running_canary_serves_metrics_and_stops_on_sigterm() -> None:
     assert proc.returncode == 0, err
     report = json.loads(out)
     assert report["pairs"] >= 1 and report["anomalies"] == 0 and report["audit"] == {}
+    assert report["replay"]["forwarded"] == 2 and report["replay"]["replayed"] == 2
+    assert report["replay"]["anomalies"] == 0

@@ -127,6 +127,8 @@ def format_report(r: Report) -> str:
             ("hit audit", ", ".join(f"{k}={v}" for k, v in sorted(r.audit.items())) or "ok"),
             ("errors", ", ".join(f"{k}={v}" for k, v in sorted(r.errors.items())) or "none"),
             ("allowed rate", f"{r.allowed_rate:.3g} req/s")]
+    if r.replay:
+        rows.append(("replay", ", ".join(f"{k}={v:g}" for k, v in sorted(r.replay.items()))))
     return "\n".join(f"{k:<16}{v}" for k, v in rows)
 
 
@@ -148,6 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     client = OpenAIClient(endpoint, args.model, args.timeout)
     canary = make_canary(client, cfg)
     servers: list[Any] = []
+    proxy: Any = None
     stop = threading.Event()
     try:
         if args.port is not None:
@@ -177,7 +180,10 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         for s in servers:
             s.stop()
+    if proxy is not None:
+        report.replay = dict(proxy.stats)
     print(json.dumps(report.as_dict(), indent=1, sort_keys=True) if args.json
           else format_report(report), flush=True)
-    alarms = report.anomalies + sum(report.audit.get(k.value, 0) for k in AUDIT_ALARM_KINDS)
+    alarms = (report.anomalies + int(report.replay.get("anomalies", 0))
+              + sum(report.audit.get(k.value, 0) for k in AUDIT_ALARM_KINDS))
     return 1 if cfg.pairs and alarms else 0

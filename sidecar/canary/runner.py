@@ -57,6 +57,7 @@ class Report:
     calibrated: bool = False
     server_rate: float | None = None
     allowed_rate: float = 0.0
+    replay: dict[str, float] = field(default_factory=dict)  # the replay proxy's counts
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
