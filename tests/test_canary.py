@@ -63,6 +63,21 @@ class FakeServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Chat on the same cache: the messages' characters are the prompt's tokens."""
+        text = "".join(str(m.get("content", "")) for m in body["messages"])
+        answer = self.complete({**body, "prompt": [ord(c) for c in text],
+                                "logprobs": body.get("top_logprobs", 1)})
+        choice = answer["choices"][0]
+        lp = choice.pop("logprobs", None)
+        choice["message"] = {"role": "assistant", "content": choice.pop("text")}
+        if lp is not None and body.get("logprobs"):
+            choice["logprobs"] = {"content": [
+                {"token": tok, "logprob": top[tok],
+                 "top_logprobs": [{"token": k, "logprob": v} for k, v in top.items()]}
+                for tok, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)]}
+        return answer
+
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         self.bodies.append(body)
         prompt = list(body["prompt"])
@@ -114,7 +129,9 @@ class FakeServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(200, json.dumps(fake.complete(body)).encode())
+                answer = fake.chat(body) if self.path.endswith("/chat/completions") \
+                    else fake.complete(body)
+                self._send(200, json.dumps(answer).encode())
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 return None
@@ -360,6 +377,31 @@ def test_replay_proxy_forwards_unchanged_and_replays_one_in_n(
     assert proxy.stats["anomalies"] == 0
     replays = [b for b in fake.bodies if b.get("cache_salt", "").startswith("kvsidecar-replay")]
     assert len(replays) == 2 and all(b["temperature"] == 0.0 for b in replays)
+
+
+def test_replay_proxy_replays_chat_and_catches_a_corrupted_cache(
+        proxied: tuple[FakeServer, ReplayProxy]) -> None:
+    fake, proxy = proxied
+
+    def chat(text: str) -> dict[str, Any]:
+        body = json.dumps({"model": "fake", "max_tokens": 2, "temperature": 0.7,
+                           "messages": [{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": text}]}).encode()
+        req = urllib.request.Request(proxy.url + "/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=10).read())
+
+    for text in ("hello there", "general kenobi"):
+        assert chat(text)["choices"][0]["message"]["role"] == "assistant"
+    proxy.drain()
+    assert proxy.stats["replayed"] == 1 and proxy.stats["anomalies"] == 0
+    fake.corrupt = True
+    for text in ("what is a kv cache", "and a prefix hit"):
+        chat(text)
+    proxy.drain()
+    assert proxy.stats["replayed"] == 2 and proxy.stats["anomalies"] == 1
+    replays = [b for b in fake.bodies if b.get("cache_salt", "").startswith("kvsidecar-replay")]
+    assert all(b["temperature"] == 0.0 and b["top_logprobs"] == 5 for b in replays)
 
 
 def test_replay_proxy_refused_where_cache_salt_is_ignored() -> None:

@@ -1,4 +1,5 @@
-"""A minimal OpenAI-compatible client for ``/v1/completions``, standard library only.
+"""A minimal OpenAI-compatible client for ``/v1/completions`` (and, for the replay proxy,
+``/v1/chat/completions``), standard library only.
 
 The canary needs exactly one call: a prompt (token ids where the server takes them, so the
 prompt length and block boundaries are exact), greedy decoding, the top-k logprobs of every
@@ -54,6 +55,33 @@ def parse_completion(body: dict[str, Any], latency_s: float) -> Completion:
         if not isinstance(pos, dict):
             raise RequestFailed("protocol", "malformed top_logprobs in the server's answer")
         tops.append({str(k): float(v) for k, v in pos.items()})
+    return _with_usage(body, tokens, tops, latency_s)
+
+
+def parse_chat(body: dict[str, Any], latency_s: float) -> Completion:
+    """The same from a ``/v1/chat/completions`` response (``logprobs.content``)."""
+    try:
+        choice = body["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise RequestFailed("protocol", "the server's answer has no choices: not an "
+                            "OpenAI-compatible /v1/chat/completions response") from None
+    lp = choice.get("logprobs") if isinstance(choice, dict) else None
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list) or not content:
+        raise RequestFailed("protocol", "the server returned no logprobs for a chat "
+                            "completion: it does not support `logprobs`/`top_logprobs`")
+    try:
+        tokens = [str(pos["token"]) for pos in content]
+        tops = [{str(t["token"]): float(t["logprob"]) for t in pos.get("top_logprobs") or []}
+                for pos in content]
+    except (KeyError, TypeError, ValueError):
+        raise RequestFailed("protocol", "malformed logprobs in the server's chat "
+                            "answer") from None
+    return _with_usage(body, tokens, tops, latency_s)
+
+
+def _with_usage(body: dict[str, Any], tokens: list[str], tops: list[dict[str, float]],
+                latency_s: float) -> Completion:
     usage = body.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -136,6 +164,25 @@ class OpenAIClient:
         latency = time.perf_counter() - started
         return parse_completion(self._json(status, raw, f"{self.endpoint.base}/completions"),
                                 latency)
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int, logprobs: int,
+             salt: str | None = None, model: str | None = None) -> Completion:
+        """A greedy chat completion with the top-k logprobs of each generated token."""
+        body: dict[str, Any] = {"model": model or self.resolve_model(), "messages": messages,
+                                "max_tokens": max_tokens, "temperature": 0.0,
+                                "logprobs": True, "top_logprobs": logprobs, "stream": False}
+        if salt is not None:
+            body["cache_salt"] = salt
+        if self.token_id_keys:
+            body["return_tokens_as_token_ids"] = True
+        started = time.perf_counter()
+        status, raw = self._request("POST", "/chat/completions", body)
+        if status == 400 and self.token_id_keys and b"return_tokens_as_token_ids" in raw:
+            self.token_id_keys = False
+            return self.chat(messages, max_tokens, logprobs, salt, model)
+        latency = time.perf_counter() - started
+        return parse_chat(self._json(status, raw, f"{self.endpoint.base}/chat/completions"),
+                          latency)
 
     def metrics_text(self) -> str | None:
         """The server's Prometheus ``/metrics`` at its root, or None where it has none."""

@@ -1,5 +1,6 @@
 """The replay proxy: forwards traffic to the server unchanged, and replays 1 in N real
-``/v1/completions`` requests with the cache bypassed to check the cached answers users get.
+``/v1/completions`` and ``/v1/chat/completions`` requests with the cache bypassed to check
+the cached answers users get.
 
 Real traffic is what a canary's synthetic prompts cannot cover: long shared system prompts,
 real tokens, real concurrency. After forwarding a sampled request (the user's answer is
@@ -36,15 +37,28 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 
 
-def replayable_prompt(body: Any) -> str | list[int] | None:
-    """The single prompt of a completions request, or None (batches, odd shapes)."""
+Job = tuple[str, Any, str | None]  # (kind: "completions" | "chat", prompt or messages, model)
+
+
+def replayable(path: str, body: Any) -> Job | None:
+    """What to replay of a request: the single prompt of a completions request or the
+    messages of a chat request; None for anything else (batches, odd shapes)."""
     if not isinstance(body, dict):
+        return None
+    route = path.split("?", 1)[0]
+    model = body.get("model")
+    if route.endswith("/chat/completions"):
+        msgs = body.get("messages")
+        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs):
+            return ("chat", msgs, model)
+        return None
+    if not route.endswith("/completions"):
         return None
     p = body.get("prompt")
     if isinstance(p, str) and p:
-        return p
+        return ("completions", p, model)
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        return list(p)
+        return ("completions", list(p), model)
     return None
 
 
@@ -59,8 +73,7 @@ class ReplayProxy:
         self.max_tokens = max_tokens
         self.logprobs = logprobs
         self._seen = itertools.count(1)
-        self._queue: queue.Queue[tuple[str | list[int], str | None] | None] = queue.Queue(
-            queue_size)
+        self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self.stats: dict[str, float] = {"forwarded": 0, "replayed": 0, "anomalies": 0,
                                          "dropped": 0, "errors": 0, "max_divergence": 0.0}
         self._stats_lock = threading.Lock()  # handler threads and the replay worker
@@ -109,19 +122,18 @@ class ReplayProxy:
         return conn.getresponse()
 
     def maybe_sample(self, path: str, body: bytes) -> None:
-        if not path.split("?", 1)[0].endswith("/completions") or "/chat/" in path:
+        if not path.split("?", 1)[0].endswith("/completions"):
             return
         if next(self._seen) % self.every:
             return
         try:
-            req = json.loads(body)
+            job = replayable(path, json.loads(body))
         except ValueError:
             return
-        prompt = replayable_prompt(req)
-        if prompt is None:
+        if job is None:
             return
         try:
-            self._queue.put_nowait((prompt, req.get("model")))
+            self._queue.put_nowait(job)
         except queue.Full:
             self._count("dropped")
             self.exporter.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
@@ -177,11 +189,12 @@ class ReplayProxy:
             finally:
                 self._queue.task_done()
 
-    def _replay(self, prompt: str | list[int], model: str | None) -> None:
+    def _replay(self, kind: str, prompt: Any, model: str | None) -> None:
+        ask = self.client.chat if kind == "chat" else self.client.complete
         try:
-            hit = self.client.complete(prompt, self.max_tokens, self.logprobs, model=model)
-            ref = self.client.complete(prompt, self.max_tokens, self.logprobs, model=model,
-                                       salt=f"kvsidecar-replay-{uuid.uuid4().hex}")
+            hit = ask(prompt, self.max_tokens, self.logprobs, model=model)
+            ref = ask(prompt, self.max_tokens, self.logprobs, model=model,
+                      salt=f"kvsidecar-replay-{uuid.uuid4().hex}")
         except RequestFailed as exc:
             self.exporter.error(exc.reason)
             self._count("errors")

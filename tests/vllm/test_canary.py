@@ -77,6 +77,8 @@ def server(request: pytest.FixtureRequest, tiny_model: str,
     dtype = request.param
     run = tmp_path_factory.mktemp(f"canary-{dtype}")
     srv = Server(dtype, _free_port(), run / "corrupt", run / "vllm.log")
+    template = run / "chat.jinja"  # the tiny tokenizer has no chat template of its own
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     kv = {"kv_connector": "CanaryCorruptor", "kv_role": "kv_both",
           "kv_connector_module_path": "tests.vllm.canary_corruptor",
           "kv_connector_extra_config": {"flag": str(srv.flag)}}
@@ -88,7 +90,7 @@ def server(request: pytest.FixtureRequest, tiny_model: str,
              "--dtype", dtype, "--block-size", str(BLOCK), "--enable-prefix-caching",
              "--max-model-len", "1024", "--enforce-eager", "--host", "127.0.0.1",
              "--port", str(srv.port), "--enable-prompt-tokens-details", "--seed", "0",
-             "--kv-transfer-config", json.dumps(kv)],
+             "--chat-template", str(template), "--kv-transfer-config", json.dumps(kv)],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
@@ -207,6 +209,25 @@ def test_replay_proxy_forwards_unchanged_and_catches_corruption(server: Server) 
                 ask(proxy.url, canary.prompts.prompt(80))
             proxy.drain()
         assert proxy.stats["replayed"] == 4 and proxy.stats["anomalies"] == 2, proxy.stats
+
+        def chat(words: list[int]) -> dict:
+            body = json.dumps({"model": canary.model, "max_tokens": 3, "temperature": 0.8,
+                               "messages": [{"role": "user",
+                                             "content": " ".join(f"w{w}" for w in words)}]})
+            req = urllib.request.Request(proxy.url + "/v1/chat/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+        for _ in range(2):  # chat traffic, sampled at random temperature: replayed greedy
+            assert chat(canary.prompts.prompt(80))["choices"][0]["message"]["content"]
+        proxy.drain()
+        assert proxy.stats["replayed"] == 5 and proxy.stats["anomalies"] == 2, proxy.stats
+        with server.corrupt():
+            for _ in range(2):
+                chat(canary.prompts.prompt(80))
+            proxy.drain()
+        assert proxy.stats["replayed"] == 6 and proxy.stats["anomalies"] == 3, proxy.stats
+        assert proxy.stats["errors"] == 0
     finally:
         proxy.stop()
 
