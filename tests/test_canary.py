@@ -50,6 +50,7 @@ class FakeServer:
         self.cache: set[tuple[Any, ...]] = set()
         self.hits = 0
         self.stuck_hits: int | None = None  # /metrics reports this hit count, if set
+        self.fail_after: int | None = None  # completions answer HTTP 500 after this many
         self.requests = 0
         self.bodies: list[dict[str, Any]] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -129,6 +130,9 @@ class FakeServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if fake.fail_after is not None and fake.requests >= fake.fail_after:
+                    self._send(500, b'{"error": "engine dead"}')
+                    return
                 answer = fake.chat(body) if self.path.endswith("/chat/completions") \
                     else fake.complete(body)
                 self._send(200, json.dumps(answer).encode())
@@ -153,8 +157,7 @@ def _cli(*args: str) -> tuple[int, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["canary", *args])
     if rc == 2:
-        assert out.getvalue() == "", "errors go to stderr"
-        return rc, err.getvalue()
+        return rc, err.getvalue() + out.getvalue()
     return rc, out.getvalue()
 
 
@@ -189,9 +192,12 @@ def test_remote_endpoint_needs_the_explicit_flag() -> None:
     assert parse_endpoint("http://127.0.0.1:8000").base == "http://127.0.0.1:8000/v1"
 
 
-def test_refused_connection_exits_2() -> None:
-    rc, out = _fast(f"http://127.0.0.1:{_free_port()}/v1", "--pairs", "1")
-    assert rc == 2 and "connection refused" in out, out
+def test_refused_connection_exits_2_with_the_message_on_stderr() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["canary", "--endpoint", f"http://127.0.0.1:{_free_port()}/v1"])
+    assert rc == 2 and out.getvalue() == ""
+    assert err.getvalue().startswith("kv-sidecar canary: error: connection refused by ")
 
 
 def test_server_without_logprobs_exits_2() -> None:
@@ -478,3 +484,22 @@ def test_long_running_canary_with_replay_proxy_stops_on_sigterm() -> None:
     assert report["pairs"] >= 1 and report["anomalies"] == 0 and report["audit"] == {}
     assert report["replay"]["forwarded"] == 2 and report["replay"]["replayed"] == 2
     assert report["replay"]["anomalies"] == 0
+
+
+def test_server_that_dies_after_preflight_exits_2() -> None:
+    fake = FakeServer()
+    with fake:
+        client = OpenAIClient(parse_endpoint(fake.endpoint))
+        canary = make_canary(client, CanaryConfig(
+            dtype="float32", block_size=BLOCK, pairs=2,
+            rate=RateLimit(min_rate=1000, max_rate=1000)))
+    report = canary.run()  # the server is gone: every pair fails, counted by reason
+    assert report.divergences == [] and report.errors == {"connect": 2}
+    assert canary.exporter.metrics.value(S.CANARY_ERRORS.name, reason="connect") == 2
+
+
+def test_cli_run_in_which_no_pair_completes_exits_2() -> None:
+    with FakeServer() as fake:
+        fake.fail_after = 2  # the preflight probe and the cache_salt check succeed
+        rc, out = _fast(fake.endpoint, "--pairs", "2")
+    assert rc == 2 and "no paired probe completed" in out and "http" in out, out

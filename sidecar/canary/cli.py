@@ -3,7 +3,8 @@
 
 Exit codes: 0 when the run is quiet, 1 when it found anomalies or hit-audit mismatches
 (``--pairs`` runs only; a long-running canary reports through /metrics), 2 for bad input
-or an unusable server (bad endpoint, refused connection, no logprobs).
+or an unusable server (bad endpoint, refused connection, no logprobs, or a ``--pairs`` run
+in which no pair completed).
 """
 
 from __future__ import annotations
@@ -186,4 +187,8 @@ def _run(args: argparse.Namespace) -> int:
           else format_report(report), flush=True)
     alarms = (report.anomalies + int(report.replay.get("anomalies", 0))
               + sum(report.audit.get(k.value, 0) for k in AUDIT_ALARM_KINDS))
+    if cfg.pairs and not report.divergences:  # every pair failed: nothing was checked
+        print("kv-sidecar canary: error: no paired probe completed (errors: "
+              f"{report.errors})", file=sys.stderr, flush=True)
+        return 2
     return 1 if cfg.pairs and alarms else 0
