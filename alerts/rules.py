@@ -142,6 +142,8 @@ REQUESTS_RATE = f"instance:{R.name}_count:rate5m"
 P99_RATE = _name("instance", R, "p99_rate5m")
 P99_BASELINE = _name("instance", R, "p99_rate5m_median1d")
 INVARIANTS_RECENT = _name("instance_kind", S.INVARIANT_VIOLATIONS, "increase10m")
+# The black-box canary's hit-counter audit (sidecar/canary).
+HIT_AUDIT_RECENT = _name("instance_kind", S.HIT_AUDIT_MISMATCHES, "increase10m")
 
 
 def recording_rules(cfg: MixinConfig) -> list[Recording]:
@@ -182,6 +184,7 @@ def recording_rules(cfg: MixinConfig) -> list[Recording]:
                   f"quantile_over_time(0.5, {P99_RATE}[{cfg.baseline_window}])"),
         Recording(INVARIANTS_RECENT, q.new_or_increased(S.INVARIANT_VIOLATIONS, "kind")),
         *_fleet().recording_rules(cfg),
+        Recording(HIT_AUDIT_RECENT, q.new_or_increased(S.HIT_AUDIT_MISMATCHES, "kind")),
     ]
 
 
@@ -192,6 +195,7 @@ def _fleet() -> ModuleType:
     return fleet
 
 
+_ALARM_KINDS = "|".join(k.value for k in S.AUDIT_ALARM_KINDS)
 _WHERE = "on {{ $labels.instance }} ({{ $labels.engine }}, {{ $labels.model }})"
 _COUNT = '{{ printf "%.0f" $value }}'
 _PCT = "{{ $value | humanizePercentage }}"
@@ -285,6 +289,12 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"No {S.BUILD_INFO.name} series of job {{{{ $labels.job }}}} has been scraped "
               "for 15m: KV cache verification is not running, or Prometheus lost its targets."),
         *_fleet().alert_rules(cfg),
+        Alert("KVCacheHitCounterMismatch",
+              f"{HIT_AUDIT_RECENT}{{kind=~\"{_ALARM_KINDS}\"}} > 0", "5m", WARNING,
+              "The server's reported cache hits contradict the canary ({{ $labels.kind }}).",
+              f"{_COUNT} canary probe(s) in the last {ew} {_WHERE} found the server's own "
+              "hit counters wrong ({{ $labels.kind }}): its reported hit rate cannot be "
+              "trusted for capacity, cost or cache-health decisions."),
     ]
 
 

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+
+    from sidecar.canary.cli import add_parser as add_canary_parser
+
+    add_canary_parser(sub)
     return p
 
 
@@ -192,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.bench import run_bench
 
             return run_bench(args)
+        if args.command == "canary":
+            from sidecar.canary.cli import run_canary
+
+            return run_canary(args)
         parser.print_help()
         return 2
     except (UsageError, MissingExtra) as exc:

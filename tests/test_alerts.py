@@ -120,6 +120,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVCacheAnomalyLocalised": PAGE,
         "KVCacheAnomalyFleetWide": PAGE,
         "KVCacheRecomputeErrorDrift": WARNING,
+        "KVCacheHitCounterMismatch": WARNING,
     }
 
 
