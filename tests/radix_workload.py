@@ -81,10 +81,11 @@ class SlowReads(RadixAdapter):
 
 
 def monitored(num_slots: int, fault: RadixFault | None = None, delay_s: float = 0.0,
-              blocks_per_sample: int = 16, capture: bool = True
+              blocks_per_sample: int = 16, capture: bool = True, start: bool = True
               ) -> tuple[RadixEngine, RadixAdapter, Monitor]:
     """A radix engine with its adapter feeding a real Monitor that verifies every hit
-    (recompute unthrottled), its worker started."""
+    (recompute unthrottled), its worker started unless ``start`` is false (then samples
+    wait in the queue, snapshotted at match time, until the caller starts it)."""
     engine = RadixEngine(num_slots, fault=fault)
     adapter = SlowReads(engine)
     adapter.delay_s = delay_s
@@ -93,4 +94,4 @@ def monitored(num_slots: int, fault: RadixFault | None = None, delay_s: float = 
                                          capture=capture, allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
     adapter.sink = mon
-    return engine, adapter, mon.start()
+    return engine, adapter, mon.start() if start else mon
