@@ -93,5 +93,5 @@ def monitored(num_slots: int, fault: RadixFault | None = None, delay_s: float = 
                                          recompute_tokens_per_s=0, queue_size=10_000,
                                          capture=capture, allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
-    adapter.sink = mon
+    adapter.attach(mon)
     return engine, adapter, mon.start() if start else mon

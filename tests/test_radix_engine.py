@@ -109,8 +109,9 @@ def _code_lines(path: Path) -> int:
 
 def test_the_adapter_is_small_and_uses_the_public_protocol_only() -> None:
     assert _code_lines(ADAPTER_FILE) < 100
-    imported = {n.module for n in ast.walk(ast.parse(ADAPTER_FILE.read_text()))
-                if isinstance(n, ast.ImportFrom) and n.module}
+    tree = ast.parse(ADAPTER_FILE.read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     sidecar_modules = {m for m in imported if m.startswith("sidecar")}
     # The protocol, and the prefix digest its StoredBlock docstring names.
     assert sidecar_modules == {"sidecar.protocol", "sidecar.checks.keys"}
@@ -140,7 +141,7 @@ class _Recorder:
 def test_blocks_are_named_by_their_last_slot_without_generation_stamps() -> None:
     engine = RadixEngine(num_slots=700)
     sink = _Recorder()
-    adapter = RadixAdapter(engine, sink)
+    adapter = RadixAdapter(engine).attach(sink)
     chat(engine, ChatConfig(conversations=6, turns=3, in_flight=3))
     hits = [lk.hit for lk in sink.lookups if lk.hit is not None and lk.hit.hit_tokens]
     assert hits and all(h.generations == {} for h in hits)
@@ -252,7 +253,7 @@ def test_paths_parting_inside_a_block_share_its_first_slot_not_its_last() -> Non
     paths can share a block's first slots and part before its end."""
     engine = RadixEngine(num_slots=256)
     sink = _Recorder()
-    adapter = RadixAdapter(engine, sink)
+    adapter = RadixAdapter(engine).attach(sink)
     common = list(range(1, 21))  # the paths part at token 20, inside block 1 (tokens 16-31)
     engine.serve([Request(common + [50] * 20, max_new_tokens=1)])
     engine.serve([Request(common + [60] * 20, max_new_tokens=1)])
@@ -261,3 +262,13 @@ def test_paths_parting_inside_a_block_share_its_first_slot_not_its_last() -> Non
     run_a, run_b = (adapter.runs[b.block_id] for b in block1)
     assert run_a[:4] == run_b[:4]  # tokens 16-19: one node, the same slots
     assert run_a[-1] != run_b[-1] and block1[0].block_id != block1[1].block_id
+
+
+def test_a_failing_translation_never_reaches_the_engine() -> None:
+    engine = RadixEngine(num_slots=64)
+    adapter = RadixAdapter(engine).attach(_Recorder())
+    run = engine._admit(Request(list(range(20)), max_new_tokens=1))
+    adapter.inserted(run, [], 0)  # slots missing: the translation itself breaks
+    assert adapter.hook_errors == 1
+    engine._finish(run)
+    assert adapter.hook_errors == 1
