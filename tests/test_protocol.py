@@ -212,3 +212,16 @@ def test_compatible_variations_conform():
 
     assert check_adapter(Lenient()) == []
     assert check_adapter(Lenient) == []
+
+
+def test_the_radix_test_adapter_has_the_protocol_signatures():
+    """The second cache shape (tests/radix_adapter.py: a radix tree over a token-slot pool)
+    conforms like the shipped adapters, allocator introspection included."""
+    from sidecar.protocol import AllocatorIntrospection
+    from tests.radix_adapter import RadixAdapter
+    from tests.radix_engine import RadixEngine
+
+    assert check_adapter(RadixAdapter) == []
+    adapter = RadixAdapter(RadixEngine(num_slots=64))
+    assert isinstance(adapter, Adapter) and isinstance(adapter, AllocatorIntrospection)
+    assert check_adapter(adapter) == []
