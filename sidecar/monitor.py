@@ -401,4 +401,8 @@ class Monitor:
 
     def summary(self) -> dict[str, Any]:
         """The demo's JSON summary and ``/status`` (see :func:`sidecar.summary.summarize`)."""
-        return summarize(self)
+        return summarize(self.metrics, self.info, self.allocator_health,
+                         requests=self.requests_done, p99_latency=self.p99_latency(),
+                         max_recompute_error=self.max_recompute_error,
+                         tolerance=self.verifier.tolerance,
+                         first_anomaly_request=self.first_anomaly_request)

@@ -132,9 +132,11 @@ class StoredBlock:
     """A full block written and indexed by the engine (an entry was added to the cache).
 
     A *block* is whatever unit the engine indexes and the adapter can read back by
-    ``(group_id, block_id)``: a page of a paged pool (vLLM, the reference engine), a radix
-    node's run of token slots in a slot/radix engine (SGLang-style: ``block_id`` is the
-    node's id or its first slot), or an entry of an offload tier. The sidecar never
+    ``(group_id, block_id)``: a page of a paged pool (vLLM, the reference engine), a
+    block_size-aligned run of a path's token slots in a slot/radix engine (SGLang-style:
+    ``block_id`` is the slot of the run's *last* token; the first slot is shared by two
+    paths that part inside the block, and node ids change when a node splits), or an entry
+    of an offload tier. The sidecar never
     interprets the id; it only asks the adapter about it and keeps an epoch per id (see
     :mod:`sidecar.store_index`).
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sidecar import signals as S
-from sidecar.metrics import fragmentation_ratio, usage_ratio
-
-if TYPE_CHECKING:
-    from sidecar.monitor import Monitor
+from sidecar.allocator import AllocatorHealth
+from sidecar.metrics import Metrics, fragmentation_ratio, usage_ratio
+from sidecar.protocol import EngineInfo
 
 
 def p99(latencies: Iterable[float]) -> float | None:
@@ -25,9 +24,10 @@ def p99(latencies: Iterable[float]) -> float | None:
     return lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
 
 
-def summarize(monitor: Monitor) -> dict[str, Any]:
-    m = monitor.metrics
-    info = monitor.info
+def summarize(m: Metrics, info: EngineInfo, health: AllocatorHealth, *, requests: int,
+              p99_latency: float | None, max_recompute_error: float, tolerance: float,
+              first_anomaly_request: int | None) -> dict[str, Any]:
+    """The summary of one sidecar's own state (what the Monitor passes in)."""
     lookups = m.value(S.LOOKUPS.name)
     hits = m.value(S.HITS.name)
     q = m.value(S.QUERY_TOKENS.name)
@@ -39,7 +39,7 @@ def summarize(monitor: Monitor) -> dict[str, Any]:
         "engine": info.engine,
         "model": info.model,
         "dtype": info.dtype,
-        "requests": monitor.requests_done,
+        "requests": requests,
         "lookups": int(lookups),
         "hits": int(hits),
         "hit_rate": hits / lookups if lookups else 0.0,
@@ -54,9 +54,9 @@ def summarize(monitor: Monitor) -> dict[str, Any]:
         "allocation_failures": state.allocation_failures if state else 0,
         "usage_ratio": usage_ratio(state) if state else 0.0,
         "fragmentation_ratio": fragmentation_ratio(state) if state else 0.0,
-        "p99_latency_seconds": monitor.p99_latency(),
-        "max_recompute_error": monitor.max_recompute_error,
-        "tolerance": monitor.verifier.tolerance,
-        "first_content_anomaly_request": monitor.first_anomaly_request,
-        **monitor.allocator_health.summary(state),
+        "p99_latency_seconds": p99_latency,
+        "max_recompute_error": max_recompute_error,
+        "tolerance": tolerance,
+        "first_content_anomaly_request": first_anomaly_request,
+        **health.summary(state),
     }

@@ -13,13 +13,7 @@ from pathlib import Path
 
 import sidecar
 
-KNOWN = {
-    # The lead's monitor/summary split (issue 9 item 6).
-    frozenset({"sidecar.monitor", "sidecar.summary"}),
-    # faults.py names the engine under TYPE_CHECKING; it can use sequence.RunningSequence and
-    # sequence.EngineView instead once the fault being added there now has landed.
-    frozenset({"sidecar.engines.reference.engine", "sidecar.engines.reference.faults"}),
-}
+KNOWN: set[frozenset[str]] = set()
 
 
 def _module_graph() -> dict[str, set[str]]:

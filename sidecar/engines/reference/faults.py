@@ -28,7 +28,8 @@ from sidecar.engines.reference.pool import BlockData, BlockHash, KeyFields, chai
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from sidecar.engines.reference.engine import ReferenceEngine, RunningSequence
+    from sidecar.engines.reference.sequence import EngineView as ReferenceEngine
+    from sidecar.engines.reference.sequence import RunningSequence
 
 MAX_INJECTIONS = 10_000  # ground-truth records kept (bounded memory on long runs)
 
