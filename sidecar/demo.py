@@ -161,6 +161,10 @@ def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
     }
 
 
+def _pct(ratio: float | None) -> str:
+    return "unknown" if ratio is None else f"{ratio:.1%}"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The human-readable table: hit rate next to what the sidecar found under it."""
     t = THRESHOLDS
@@ -232,9 +236,9 @@ def _allocator_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("allocation failures", f"{s['allocation_failures']} of {s['allocations']} "
          f"({s['allocation_failure_rate']:.2%})"
          + flag(s["allocation_failure_rate"], t.allocation_failure_rate)),
-        ("usage (now / peak)", f"{s['usage_ratio']:.1%} / {s['max_usage_ratio']:.1%}"
+        ("usage (now / peak)", f"{_pct(s['usage_ratio'])} / {s['max_usage_ratio']:.1%}"
          + flag(s["max_usage_ratio"], t.usage_ratio)),
-        ("fragmentation (now / peak)", f"{s['fragmentation_ratio']:.1%} / "
+        ("fragmentation (now / peak)", f"{_pct(s['fragmentation_ratio'])} / "
          f"{s['max_fragmentation_ratio']:.1%}"
          + flag(s["max_fragmentation_ratio"], t.fragmentation_ratio)),
     ]

@@ -34,23 +34,32 @@ from sidecar.signals import Signal
 log = logging.getLogger(__name__)
 
 
-def fragmentation_ratio(state: AllocatorState) -> float:
+def fragmentation_ratio(state: AllocatorState) -> float | None:
     """``1 - largest_free_run / free_blocks``: 0 when all free blocks are one run (or none
-    are free), towards 1 when free space is scattered in runs too short to use."""
-    if state.free_blocks <= 0:
+    are free), towards 1 when free space is scattered in runs too short to use; ``None``
+    when the engine does not report the two."""
+    free, run = state.free_blocks, state.largest_free_run
+    if free is None or run is None:
+        return None
+    if free <= 0:
         return 0.0
-    return max(0.0, 1.0 - state.largest_free_run / state.free_blocks)
+    return max(0.0, 1.0 - run / free)
 
 
-def internal_fragmentation_ratio(state: AllocatorState) -> float:
+def internal_fragmentation_ratio(state: AllocatorState) -> float | None:
     """Unused token slots in blocks held by live sequences / allocated slots."""
-    if state.allocated_slots <= 0:
+    allocated, filled = state.allocated_slots, state.filled_slots
+    if allocated is None or filled is None:
+        return None
+    if allocated <= 0:
         return 0.0
-    return max(0.0, 1.0 - state.filled_slots / state.allocated_slots)
+    return max(0.0, 1.0 - filled / allocated)
 
 
-def usage_ratio(state: AllocatorState) -> float:
-    return state.used_blocks / state.total_blocks if state.total_blocks else 0.0
+def usage_ratio(state: AllocatorState) -> float | None:
+    if state.used_blocks is None or not state.total_blocks:
+        return None
+    return state.used_blocks / state.total_blocks
 
 
 class AllocatorCollector(Collector):
@@ -71,35 +80,37 @@ class AllocatorCollector(Collector):
             return self._state
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(AllocatorState(0, 0, 0, 0, 0, 0, 0))
+        return self._families(AllocatorState())
 
     def collect(self) -> Iterable[Metric]:
-        state = self.state
-        if state is None:
-            state = AllocatorState(0, 0, 0, 0, 0, 0, 0)
-        return self._families(state)
+        return self._families(self.state or AllocatorState())
 
     def _families(self, st: AllocatorState) -> list[Metric]:
+        """Every family, with a sample only for what the engine reported (unknown is absent,
+        never 0)."""
         names = list(self._labels)
         values = list(self._labels.values())
         out: list[Metric] = []
-        for sig, value in ((S.ALLOCATIONS, st.allocations),
+        for sig, count in ((S.ALLOCATIONS, st.allocations),
                            (S.ALLOCATION_FAILURES, st.allocation_failures)):
             c = CounterMetricFamily(sig.base_name, sig.help, labels=names)
-            c.add_metric(values, float(value))
+            if count is not None:
+                c.add_metric(values, float(count))
             out.append(c)
-        ratios: tuple[tuple[Signal, float], ...] = (
+        ratios: tuple[tuple[Signal, float | None], ...] = (
             (S.USAGE_RATIO, usage_ratio(st)),
             (S.FRAGMENTATION_RATIO, fragmentation_ratio(st)),
             (S.INTERNAL_FRAGMENTATION_RATIO, internal_fragmentation_ratio(st)))
         for sig, ratio in ratios:
             g = GaugeMetricFamily(sig.name, sig.help, labels=names)
-            g.add_metric(values, ratio)
+            if ratio is not None:
+                g.add_metric(values, ratio)
             out.append(g)
         blocks = GaugeMetricFamily(S.BLOCKS.name, S.BLOCKS.help, labels=[*names, "state"])
-        for state_name, value in (("total", st.total_blocks), ("free", st.free_blocks),
-                                  ("cached", st.cached_blocks), ("used", st.used_blocks)):
-            blocks.add_metric([*values, state_name], float(value))
+        for state_name, n in (("total", st.total_blocks), ("free", st.free_blocks),
+                              ("cached", st.cached_blocks), ("used", st.used_blocks)):
+            if n is not None:
+                blocks.add_metric([*values, state_name], float(n))
         out.append(blocks)
         return out
 

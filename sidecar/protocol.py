@@ -201,20 +201,24 @@ class BlockKV:
 class AllocatorState:
     """A snapshot of the engine's block allocator, from ``Adapter.allocator()``.
 
+    Every field may be ``None``: *unknown*, which is never exported as 0 (a series the engine
+    cannot give is absent, so a dashboard shows "no data" rather than a measured zero).
     Counters (``allocations``, ``allocation_failures``) are totals since the engine started;
-    the sidecar turns them into rates. ``largest_free_run`` is the longest run of
-    consecutive free block ids (fragmentation matters where contiguity does).
+    the sidecar turns them into rates. ``largest_free_run`` is the most free blocks one
+    allocation can take (all free blocks for a paged pool; the longest run of consecutive
+    free ids where contiguity matters). Units are the engine's allocation unit: blocks for a
+    paged pool, token slots for a slot/radix engine.
     """
 
-    total_blocks: int
-    free_blocks: int
-    cached_blocks: int  # evictable: unreferenced but still indexed
-    used_blocks: int  # referenced by live sequences
-    largest_free_run: int
-    allocations: int
-    allocation_failures: int
-    allocated_slots: int = 0  # token slots in blocks held by live sequences
-    filled_slots: int = 0  # of those, slots holding a token
+    total_blocks: int | None = None
+    free_blocks: int | None = None
+    cached_blocks: int | None = None  # evictable: unreferenced but still indexed
+    used_blocks: int | None = None  # referenced by live sequences
+    largest_free_run: int | None = None
+    allocations: int | None = None
+    allocation_failures: int | None = None
+    allocated_slots: int | None = None  # token slots in blocks held by live sequences
+    filled_slots: int | None = None  # of those, slots holding a token
     # For the leak trend test (sidecar.allocator.leak), where the engine knows them:
     live_sequences: int | None = None  # sequences holding blocks now
     held_blocks: int | None = None  # distinct blocks named by live sequences' block tables

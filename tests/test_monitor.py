@@ -175,3 +175,21 @@ def test_stop_counts_queued_samples_as_dropped():
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="sample_every"):
         make_toy(sample_every=0)
+
+
+def test_unknown_allocator_fields_are_absent_not_zero():
+    """An engine that cannot say how many blocks are cached, or count its allocations,
+    gets no series for them: unknown is never exported as a measured 0."""
+    from sidecar.metrics import Metrics
+    from sidecar.protocol import AllocatorState
+
+    m = Metrics("e", "m")
+    m.allocator.update(AllocatorState(total_blocks=10, free_blocks=4, used_blocks=6))
+    value = m.registry.get_sample_value
+    base = {"engine": "e", "model": "m"}
+    assert value("kvsidecar_blocks", {**base, "state": "used"}) == 6
+    assert value("kvsidecar_blocks", {**base, "state": "cached"}) is None
+    assert value("kvsidecar_allocations_total", base) is None
+    assert value("kvsidecar_usage_ratio", base) == 0.6
+    assert value("kvsidecar_fragmentation_ratio", base) is None  # no largest_free_run
+    assert value("kvsidecar_internal_fragmentation_ratio", base) is None

@@ -47,7 +47,7 @@ PATH_EVENTS = 32  # lifecycle events kept per block
 def allocation_failure_rate(state: AllocatorState | None) -> float:
     """Failed / attempted allocations since the engine started (PromQL takes the rate of
     the two counters instead; this is the run's total for summaries)."""
-    if state is None or state.allocations <= 0:
+    if state is None or not state.allocations or state.allocation_failures is None:
         return 0.0
     return state.allocation_failures / state.allocations
 
@@ -94,9 +94,11 @@ class AllocatorHealth:
         new: list[Violation] = []
         unheld: int | None = None
         if state is not None:
-            self.max_usage_ratio = max(self.max_usage_ratio, usage_ratio(state))
-            self.max_fragmentation_ratio = max(self.max_fragmentation_ratio,
-                                               fragmentation_ratio(state))
+            usage, frag = usage_ratio(state), fragmentation_ratio(state)
+            if usage is not None:
+                self.max_usage_ratio = max(self.max_usage_ratio, usage)
+            if frag is not None:
+                self.max_fragmentation_ratio = max(self.max_fragmentation_ratio, frag)
             new += self._fresh("state", check_counts(state))
             unheld = unheld_from_state(state)
         if tables is not None:

@@ -67,12 +67,13 @@ class Violation:
 
 
 def check_counts(state: AllocatorState, group_id: int = 0) -> list[Violation]:
-    """Count-level invariant for engines that only report totals."""
-    if state.total_blocks <= 0:
+    """Count-level invariant for engines that only report totals (skipped where any of the
+    four counts is unknown)."""
+    total, free, cached, used = (state.total_blocks, state.free_blocks, state.cached_blocks,
+                                 state.used_blocks)
+    if total is None or free is None or cached is None or used is None or total <= 0:
         return []
-    parts = state.free_blocks + state.cached_blocks + state.used_blocks
-    if parts == state.total_blocks and min(state.free_blocks, state.cached_blocks,
-                                           state.used_blocks) >= 0:
+    if free + cached + used == total and min(free, cached, used) >= 0:
         return []
     return [Violation(K.BLOCK_COUNT_MISMATCH, group_id, None,
                       f"free {state.free_blocks} + cached {state.cached_blocks} + used "

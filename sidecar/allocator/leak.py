@@ -35,6 +35,8 @@ from sidecar.protocol import AllocatorState
 
 def unheld_from_state(state: AllocatorState) -> int | None:
     """``unheld`` from counts alone, or ``None`` when this poll cannot tell."""
+    if state.used_blocks is None:
+        return None
     if state.held_blocks is not None:
         return max(0, state.used_blocks - state.held_blocks)
     if state.live_sequences == 0:

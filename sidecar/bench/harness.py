@@ -24,6 +24,7 @@ from typing import Any
 
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.allocator import allocation_failure_rate
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.model import ModelConfig
@@ -264,10 +265,9 @@ class BenchSink:
         if m.value(S.LEAK_SUSPECTED_FLAG.name) > 0:
             fired.append("leak_suspected")
         if state is not None:
-            if state.allocations and state.allocation_failures / state.allocations \
-                    > THRESHOLDS.allocation_failure_rate:
+            if allocation_failure_rate(state) > THRESHOLDS.allocation_failure_rate:
                 fired.append("allocation_failures")
-            if fragmentation_ratio(state) > THRESHOLDS.fragmentation_ratio:
+            if (fragmentation_ratio(state) or 0.0) > THRESHOLDS.fragmentation_ratio:
                 fired.append("fragmentation")
         for name in fired:
             alarms.setdefault(name, now)

@@ -181,7 +181,8 @@ class VllmMetricsBridge:
                     - c.get("vllm:prefix_cache_hits_total", 0.0)
                     + c.get("vllm:generation_tokens_total", 0.0))
         return AllocatorState(
-            total_blocks=total, free_blocks=free, cached_blocks=0, used_blocks=used,
+            # vLLM's usage counts cached (evictable) blocks as free: how many is unknown.
+            total_blocks=total, free_blocks=free, cached_blocks=None, used_blocks=used,
             largest_free_run=free,
             allocations=math.ceil(max(0.0, computed) / max(1, self.block_size)),
             allocation_failures=int(c.get("vllm:num_preemptions_total", 0.0)))
