@@ -142,6 +142,9 @@ REQUESTS_RATE = f"instance:{R.name}_count:rate5m"
 P99_RATE = _name("instance", R, "p99_rate5m")
 P99_BASELINE = _name("instance", R, "p99_rate5m_median1d")
 INVARIANTS_RECENT = _name("instance_kind", S.INVARIANT_VIOLATIONS, "increase10m")
+# The sidecar's own failures: exceptions caught in engine hooks, failed adapter calls.
+HOOK_ERRORS_RECENT = _name("instance_hook", S.HOOK_ERRORS, "increase10m")
+ADAPTER_ERRORS_RECENT = _name("instance_op_reason", S.ADAPTER_ERRORS, "increase10m")
 # The black-box canary's hit-counter audit (sidecar/canary).
 HIT_AUDIT_RECENT = _name("instance_kind", S.HIT_AUDIT_MISMATCHES, "increase10m")
 
@@ -185,6 +188,8 @@ def recording_rules(cfg: MixinConfig) -> list[Recording]:
         Recording(INVARIANTS_RECENT, q.new_or_increased(S.INVARIANT_VIOLATIONS, "kind")),
         *_fleet().recording_rules(cfg),
         Recording(HIT_AUDIT_RECENT, q.new_or_increased(S.HIT_AUDIT_MISMATCHES, "kind")),
+        Recording(HOOK_ERRORS_RECENT, q.new_or_increased(S.HOOK_ERRORS, "hook")),
+        Recording(ADAPTER_ERRORS_RECENT, q.new_or_increased(S.ADAPTER_ERRORS, "op, reason")),
     ]
 
 
@@ -280,6 +285,18 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"noise floor {_WHERE} (threshold {t.recompute_error_drift:g}x): the cache's "
               "KV is moving away from a correct recompute, though no block has failed its "
               "tolerance yet."),
+        # Silence is not health: a hook or adapter that keeps failing blinds the sidecar
+        # while every other signal looks calm.
+        Alert("KVSidecarHookErrors", f"{HOOK_ERRORS_RECENT} > 0", "5m", WARNING,
+              "kv-sidecar hooks are failing ({{ $labels.hook }}).",
+              f"{_COUNT} exception(s) were caught in the {{{{ $labels.hook }}}} hook in the "
+              f"last {ew} {_WHERE}. The engine was not affected, but the events of that hook "
+              "are not counted or verified: the sidecar is partly blind."),
+        Alert("KVSidecarAdapterErrors", f"{ADAPTER_ERRORS_RECENT} > 0", "15m", WARNING,
+              "kv-sidecar adapter calls are failing ({{ $labels.op }}, {{ $labels.reason }}).",
+              f"{_COUNT} {{{{ $labels.op }}}} call(s) to the engine adapter failed with "
+              f"{{{{ $labels.reason }}}} in the last {ew} {_WHERE}: samples that needed them "
+              "were dropped unverified."),
         Alert("KVSidecarDown", f"up{{{cfg.selector}}} == 0", "5m", WARNING,
               "kv-sidecar cannot be scraped.",
               "Prometheus has failed to scrape {{ $labels.instance }} of job "

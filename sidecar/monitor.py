@@ -16,12 +16,13 @@ of the KV the request is served. Then it is handed to the rest, one job per modu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -52,6 +53,12 @@ from sidecar.summary import p99, summarize
 from sidecar.verifier import Sample, TokenBucket, Verdict, Verifier
 
 log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The hooks whose errors are counted (kvsidecar_hook_errors_total{hook}), created at 0.
+HOOKS = ("on_lookup", "on_captured", "on_store", "on_free", "on_request_done", "on_allocate",
+         "on_release", "capture")
 
 
 @dataclass
@@ -177,6 +184,8 @@ class Monitor:
                 m.inc(S.ANOMALIES, 0, group=g.label, kind=kind.value)
         for reason in DropReason:
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
+        for hook in HOOKS:
+            m.inc(S.HOOK_ERRORS, 0, hook=hook)
         for op in ("read", "recompute", "allocator", "block_tables", "capture"):
             for why in ("error", "timeout"):
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
@@ -321,6 +330,29 @@ class Monitor:
 
     def _drop(self, reason: DropReason) -> None:
         self.metrics.inc(S.SAMPLES_DROPPED, reason=reason.value)
+
+    def guarded(self, hook: str) -> Callable[[F], F]:
+        """A decorator for an adapter's own hook code (translating engine events into
+        ``Lookup``/``StoredBlock`` calls): whatever it raises is counted in
+        ``kvsidecar_hook_errors_total{hook}`` and logged once, never raised into the engine;
+        the call returns ``None`` then. ``hook`` names the code (a fixed string: it is a
+        label value)::
+
+            @monitor.guarded("my_engine_match")
+            def on_match(req, node): monitor.on_lookup(...)
+        """
+        self.metrics.inc(S.HOOK_ERRORS, 0, hook=hook)
+
+        def wrap(fn: F) -> F:
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as exc:
+                    self._hook_failed(hook, exc)
+                    return None
+            return call  # type: ignore[return-value]
+        return wrap
 
     def _hook_failed(self, hook: str, exc: Exception) -> None:
         try:

@@ -115,6 +115,8 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVCacheLatencyP99High": WARNING,
         "KVSidecarVerificationStalled": WARNING,
         "KVSidecarSamplesDropped": WARNING,
+        "KVSidecarHookErrors": WARNING,
+        "KVSidecarAdapterErrors": WARNING,
         "KVSidecarDown": WARNING,
         "KVSidecarAbsent": WARNING,
         "KVCacheAnomalyLocalised": PAGE,

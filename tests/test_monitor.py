@@ -193,3 +193,25 @@ def test_unknown_allocator_fields_are_absent_not_zero():
     assert value("kvsidecar_usage_ratio", base) == 0.6
     assert value("kvsidecar_fragmentation_ratio", base) is None  # no largest_free_run
     assert value("kvsidecar_internal_fragmentation_ratio", base) is None
+
+
+def test_guarded_adapter_code_is_counted_never_raised():
+    """An adapter's own translation code, guarded: its exceptions are counted under the
+    name it chose and the call returns None, so nothing reaches the engine."""
+    _, _, mon = make_toy()
+    calls = []
+
+    @mon.guarded("toy_translate")
+    def translate(x: int) -> int:
+        calls.append(x)
+        if x < 0:
+            raise ValueError("bad engine value")
+        return 2 * x
+
+    assert mon.metrics.value(S.HOOK_ERRORS.name, hook="toy_translate") == 0  # a zero series
+    assert translate(3) == 6
+    assert translate(-1) is None
+    assert translate(-2) is None
+    assert calls == [3, -1, -2]
+    assert mon.metrics.value(S.HOOK_ERRORS.name, hook="toy_translate") == 2
+    assert mon.metrics.value(S.HOOK_ERRORS.name, hook="on_store") == 0  # created at start
