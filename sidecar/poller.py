@@ -73,6 +73,13 @@ class AllocatorPoller:
             self.last_poll = time.time()
             return state
 
+    def _scheduled(self) -> None:
+        """The schedule's poll: skipped while another poll runs (that one is as fresh), so
+        a slow adapter never queues polls behind the lock."""
+        if self._lock.locked():
+            return
+        self.poll()
+
     def _call(self, op: str, fn: Any) -> Any:
         try:
             return self.guard.call(op, fn)
@@ -91,7 +98,7 @@ class AllocatorPoller:
             # coalesce + max_instances=1: a slow adapter never stacks up overlapping polls.
             self._scheduler = BackgroundScheduler(
                 daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
-            self._scheduler.add_job(self.poll, "interval", seconds=self.every_s,
+            self._scheduler.add_job(self._scheduled, "interval", seconds=self.every_s,
                                     id="allocator")
             self.poll()  # publish real values before the first scrape
             self._scheduler.start()
