@@ -233,11 +233,11 @@ class LMCacheAdapter:
                 served.append(self.ids.id_for(g.key))
                 tiers.append(tier.value)
             start = end
-        hit_end = (prefix // cs + len(served)) * cs
         hit = None
-        if loaded_tokens > 0 and served:
-            hit = ChunkHit(tokens=toks, hit_tokens=hit_end,
-                           blocks={GROUP: _PrefixIds(self, toks, prefix // cs, served)},
+        if loaded_tokens > 0:  # a hit, counted as LMCache counts it, sampled or not
+            blocks: Sequence[int] = _PrefixIds(self, toks, prefix // cs, served) \
+                if served else ()
+            hit = ChunkHit(tokens=toks, hit_tokens=len(blocks) * cs, blocks={GROUP: blocks},
                            tiers=tuple(tiers))
         self._serving.kwargs = kwargs
         try:
