@@ -42,7 +42,7 @@ class ChunkIds:
             if len(self._ids) < self.capacity:
                 cid = len(self._ids)
             else:
-                old_key, cid = self._ids.popitem(last=False)
+                _, cid = self._ids.popitem(last=False)
                 del self._keys[cid]
                 recycled = cid
                 self.recycled += 1
