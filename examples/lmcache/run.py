@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -158,6 +159,7 @@ def main() -> None:
     server.stop()
     adapter.close()
     LMCacheEngineBuilder.destroy("kv-sidecar-example")
+    shutil.rmtree(disk, ignore_errors=True)
 
 
 def damage_a_disk_chunk(engine: Any, tokens: list[int], fault: str) -> None:

@@ -49,3 +49,10 @@ def test_tier_labels_are_bounded() -> None:
     assert tier_of("LocalDiskBackend") == "disk"
     assert tier_of("RemoteBackend") == "remote"
     assert tier_of("SomePluginBackend") == "other" and tier_of(None) == "other"
+
+
+def test_the_adapter_conforms_to_the_protocol() -> None:
+    from sidecar.adapters.lmcache import LMCacheAdapter
+    from sidecar.conformance import check_adapter
+
+    assert check_adapter(LMCacheAdapter) == []
