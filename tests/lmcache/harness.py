@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.lmcache import HFChunkReference, LMCacheAdapter, LMCacheMonitor
-from sidecar.engines.reference.model import ModelConfig, TinyLlama
+from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
 from sidecar.monitor import SidecarConfig
 
 _instances = itertools.count()
@@ -72,9 +72,18 @@ class Rig:
     def chunk_size(self) -> int:
         return self.adapter.chunk_size
 
-    def prefill_kv(self, tokens: list[int]) -> torch.Tensor:
-        """The model's KV for ``tokens`` in the connector's flat layout."""
-        kv = self.model.prefill(tokens)
+    def prefill_kv(self, tokens: list[int], past: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The model's KV for ``tokens`` (after the flat KV ``past``) in the connector's
+        flat layout ``(2, layers, tokens, kv_heads * head_dim)``."""
+        c = self.model.config
+        seq_past = None
+        if past is not None and past.shape[2]:
+            layers, n = int(past.shape[1]), int(past.shape[2])
+            k, v = (past[i].reshape(layers, n, c.num_kv_heads, c.head_dim).permute(0, 2, 1, 3)
+                    for i in (0, 1))
+            seq_past = SequenceKV(k.contiguous(), v.contiguous())
+        kv = self.model.prefill(tokens, past=seq_past)
         layers, heads, n, dim = kv.keys.shape
         flat = [t.permute(0, 2, 1, 3).reshape(layers, n, heads * dim)
                 for t in (kv.keys, kv.values)]
@@ -82,15 +91,19 @@ class Rig:
 
     def serve(self, tokens: list[int], buffer: torch.Tensor | None = None) -> torch.Tensor:
         """One request as vLLM's connector runs it; returns the request's KV buffer (what
-        the engine would decode over)."""
+        the engine would decode over). The tokens LMCache did not load are prefilled after
+        the loaded KV, as the engine does, so chunks stored from here on were computed
+        incrementally, not by the from-scratch prefill the sidecar's recompute runs."""
         found = self.adapter.lookup(tokens)
-        full = self.prefill_kv(tokens)
-        kv = buffer if buffer is not None else torch.zeros_like(full)
+        layers, _, _, heads, dim = self.engine.metadata.kv_shape
+        kv = buffer if buffer is not None else torch.zeros(
+            2, layers, len(tokens), heads * dim, dtype=self.model.dtype)
         loaded = 0
         if found:
             ret = self.adapter.retrieve(tokens[:found], kvcaches=kv)
             loaded = int(ret.sum())
-        kv[:, :, loaded:] = full[:, :, loaded:]  # the engine computes what it did not load
+        if loaded < len(tokens):  # the engine computes what it did not load
+            kv[:, :, loaded:] = self.prefill_kv(tokens[loaded:], past=kv[:, :, :loaded])
         cs = self.chunk_size
         stored_upto = (loaded // cs) * cs
         if len(tokens) - stored_upto >= cs:

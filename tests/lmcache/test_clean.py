@@ -21,13 +21,18 @@ def test_clean_run_is_quiet_over_a_thousand_chunks(tmp_path: Path, dtype: str) -
     rig = build(tmp_path, dtype=dtype, cpu_gb=0.001, blocks_per_sample=8)
     try:
         rng = random.Random(7)
-        prefixes = [[rng.randrange(256) for _ in range(8 * rig.chunk_size)]
-                    for _ in range(20)]
-        # Skewed, as real traffic is: hot prefixes stay on the CPU tier, cold ones are
-        # evicted to disk and read back from there. Every hit verifies its 8 prefix chunks.
-        for _ in range(160):
-            hot = min(int(rng.expovariate(0.25)), len(prefixes) - 1)
-            rig.serve(prefixes[hot] + [rng.randrange(256) for _ in range(32)])
+        # Conversations: each turn re-sends the conversation so far plus 32 new tokens, so
+        # the chunks a turn hits were stored by the turns before, computed incrementally
+        # after loaded KV (not the from-scratch prefill the recompute runs). Skewed, as real
+        # traffic is: hot conversations stay on the CPU tier, cold ones are evicted to disk
+        # and read back from there. A sample verifies up to 8 chunks of the hit.
+        chats = [[rng.randrange(256) for _ in range(4 * rig.chunk_size)] for _ in range(20)]
+        for _ in range(200):
+            c = min(int(rng.expovariate(0.25)), len(chats) - 1)
+            if len(chats[c]) > 12 * rig.chunk_size:  # a new conversation in that slot
+                chats[c] = [rng.randrange(256) for _ in range(4 * rig.chunk_size)]
+            chats[c] = chats[c] + [rng.randrange(256) for _ in range(32)]
+            rig.serve(chats[c])
         assert rig.monitor.drain(120)
         m = rig.monitor.metrics
         verified = m.by_label(S.LMCACHE_VERIFIED_CHUNKS.name, "tier")
@@ -40,6 +45,8 @@ def test_clean_run_is_quiet_over_a_thousand_chunks(tmp_path: Path, dtype: str) -
         assert m.value_sum(S.ADAPTER_ERRORS.name) == 0
         assert m.value(S.LMCACHE_RETRIEVED_CHUNKS.name, tier="disk", outcome="failed") == 0
         # Quiet because the recompute agrees, not because nothing was compared.
-        assert 0.0 <= rig.monitor.max_recompute_error < tolerance_for(dtype)
+        err = rig.monitor.max_recompute_error
+        print(f"{dtype}: verified {verified}, largest recompute error {err:.3g}")
+        assert 0.0 <= err < tolerance_for(dtype)
     finally:
         rig.close()

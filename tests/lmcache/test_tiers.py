@@ -149,3 +149,24 @@ def test_a_failed_store_left_visible_to_lookups_is_caught(tmp_path: Path) -> Non
     finally:
         disk.write_file = real_write
         rig.close()
+
+
+def test_kv_computed_wrong_before_it_was_stored_is_caught_by_the_recompute(
+        tmp_path: Path) -> None:
+    """A checksum of the bytes as stored (AuditConnector's, or the fingerprint) cannot see
+    KV the engine computed wrong before LMCache stored it: every copy agrees with it. Only
+    the recompute does. Here chunk 1's values come out of the engine 10% too large (a
+    kernel or layout bug); LMCache stores and serves them faithfully."""
+    rig = build(tmp_path, blocks_per_sample=8)
+    try:
+        tokens = prompt(7)
+        kv = rig.prefill_kv(tokens)
+        cs = rig.chunk_size
+        kv[1, :, cs:2 * cs] *= 1.1  # V of chunk 1, as the engine wrote it
+        rig.adapter.store(tokens, kvcaches=kv)
+        loaded = retrieve_again(rig, tokens)
+        assert bool(loaded.all())
+        assert kinds(rig) == {"recompute_mismatch"}
+        assert tier_anomalies(rig) == {("cpu", "recompute_mismatch"): 1.0}
+    finally:
+        rig.close()
