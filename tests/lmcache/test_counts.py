@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sidecar import signals as S
 from tests.lmcache.harness import build
@@ -59,4 +60,32 @@ def test_exported_hit_rate_equals_lmcache_own_counts(tmp_path: Path) -> None:
         assert m.value_sum(S.ANOMALIES.name) == 0
     finally:
         disk.read_file = real_read
+        rig.close()
+
+
+def test_a_masked_retrieve_counts_as_lmcache_does_and_verifies_both_parts(
+        tmp_path: Path) -> None:
+    """vLLM masks out of a retrieve the prefix its own prefix cache already holds. LMCache
+    counts only the unmasked tokens as requested; the sidecar does the same. A sample may
+    check the engine-held chunks too (tier ``engine``): they are hashed into chunk ids
+    only when the retrieve is sampled."""
+    rig = build(tmp_path, blocks_per_sample=8)
+    try:
+        rng = random.Random(5)
+        tokens = [rng.randrange(256) for _ in range(6 * rig.chunk_size)]
+        rig.serve(tokens)
+        kv = rig.prefill_kv(tokens)  # the engine's buffer, its own prefix already in place
+        kv[:, :, 2 * rig.chunk_size:] = 0
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[: 2 * rig.chunk_size] = False
+        loaded = rig.adapter.retrieve(tokens, mask=mask, kvcaches=kv)
+        assert int(loaded.sum()) == 4 * rig.chunk_size
+        assert rig.monitor.drain(60)
+        m = rig.monitor.metrics
+        assert m.value(S.QUERY_TOKENS.name) == rig.lmcache_counter("num_requested_tokens") \
+            == 4 * rig.chunk_size
+        assert m.value(S.HIT_TOKENS.name) == rig.lmcache_counter("num_hit_tokens")
+        assert m.by_label(S.LMCACHE_VERIFIED_CHUNKS.name, "tier") == {"engine": 2, "cpu": 4}
+        assert m.value_sum(S.ANOMALIES.name) == 0
+    finally:
         rig.close()
