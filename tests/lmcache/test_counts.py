@@ -40,7 +40,8 @@ def test_exported_hit_rate_equals_lmcache_own_counts(tmp_path: Path) -> None:
         for i in range(40):
             p = prefixes[i % 6][: rng.choice((2, 3, 4)) * rig.chunk_size]
             rig.serve(p + [rng.randrange(256) for _ in range(rng.randrange(40))])
-        rig.wait_on_disk(unloadable)
+        for i in range(4):  # every chunk landed on disk (the tier writes asynchronously)
+            rig.wait_on_disk(rig.chunk_key(prefixes[0], i))
         rig.evict_from_cpu(unloadable)
         disk.read_file = failing_read  # test-only: a disk read error on one chunk file
         rig.serve(prefixes[0])

@@ -41,6 +41,10 @@ def store_then_reload_from_disk(rig: Rig, tokens: list[int], index: int) -> Path
     """Serve ``tokens`` once (LMCache stores its chunks on both tiers), wait until chunk
     ``index`` is on disk, and evict it from the CPU tier so the next retrieve reads disk."""
     rig.serve(tokens)
+    # The disk tier writes asynchronously; a lookup walks the tiers in order and stops at
+    # the first chunk the current tier lacks, so every chunk must have landed on disk.
+    for i in range(len(tokens) // rig.chunk_size):
+        rig.wait_on_disk(rig.chunk_key(tokens, i))
     key = rig.chunk_key(tokens, index)
     path = rig.wait_on_disk(key)
     rig.evict_from_cpu(key)
