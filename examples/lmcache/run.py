@@ -177,7 +177,7 @@ def damage_a_disk_chunk(engine: Any, tokens: list[int], fault: str) -> None:
     if fault == "zero-disk-chunk":
         data = bytearray(len(data))
     else:
-        data[len(data) // 3] ^= 0x01
+        data[len(data) // 3 & ~3] ^= 0x01  # the lowest mantissa bit of one element
     path.write_bytes(bytes(data))
     backends["LocalCPUBackend"].remove(key)
 

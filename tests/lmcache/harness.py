@@ -156,7 +156,7 @@ class Rig:
 def build(tmp_path: Path, dtype: str = "float32", chunk_size: int = 16,
           cpu_gb: float = 0.02, disk_gb: float = 0.2, sample_every: int = 1,
           blocks_per_sample: int = 2, skip_load: set[int] | None = None,
-          **config: Any) -> Rig:
+          fingerprint: bool = True, **config: Any) -> Rig:
     """An LMCache engine with CPU + disk tiers under ``tmp_path``, the sidecar attached."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -183,7 +183,7 @@ def build(tmp_path: Path, dtype: str = "float32", chunk_size: int = 16,
                                                 lambda t, r: None, lambda o, r: o)
     engine.post_init()
     adapter = LMCacheAdapter(engine, HFChunkReference(model.model, chunk_size),
-                             model="tiny-llama")
+                             model="tiny-llama", fingerprint=fingerprint)
     registry = CollectorRegistry()
     sidecar = SidecarConfig(**{"sample_every": sample_every,
                                "blocks_per_sample": blocks_per_sample,

@@ -29,9 +29,9 @@ def chunk_to_block(chunk: torch.Tensor, num_kv_heads: int, head_dim: int
                          f"{num_kv_heads * head_dim}), got {tuple(chunk.shape)}")
     layers, tokens = int(chunk.shape[1]), int(chunk.shape[2])
 
-    def side(t: torch.Tensor) -> torch.Tensor:
+    def side(t: torch.Tensor) -> torch.Tensor:  # one copy, always a new tensor
         return t.reshape(layers, tokens, num_kv_heads, head_dim).permute(0, 2, 1, 3) \
-            .contiguous().clone()
+            .clone(memory_format=torch.contiguous_format)
 
     return side(chunk[0]), side(chunk[1])
 

@@ -48,10 +48,10 @@ class ChunkGet:
 @dataclass
 class _Recording:
     gets: list[ChunkGet] = field(default_factory=list)
-    puts: list[tuple[Hashable, str]] = field(default_factory=list)  # key, digest
+    puts: list[tuple[Hashable, str | None]] = field(default_factory=list)  # key, digest
 
 
-Digest = Callable[[Any], str]
+Digest = Callable[[Any], str]  # memory object -> fingerprint
 
 
 class StorageTap:
@@ -59,10 +59,11 @@ class StorageTap:
 
     ``digest(memory_obj)`` fingerprints a chunk as LMCache is about to store it; it runs on
     the engine's thread, before the tiers see the object (the CPU tier keeps that very
-    object, the disk tier writes it asynchronously).
+    object, the disk tier writes it asynchronously). ``digest=None``: stores are recorded
+    without a fingerprint.
     """
 
-    def __init__(self, storage_manager: Any, digest: Digest) -> None:
+    def __init__(self, storage_manager: Any, digest: Digest | None) -> None:
         self.storage_manager = storage_manager
         self.digest = digest
         self._local = threading.local()
@@ -102,7 +103,8 @@ class StorageTap:
         rec: _Recording | None = getattr(self._local, "recording", None)
         if rec is not None:
             try:
-                rec.puts.extend((k, self.digest(m))
+                digest = self.digest
+                rec.puts.extend((k, digest(m) if digest is not None else None)
                                 for k, m in zip(keys, memory_objs, strict=False))
             except Exception:
                 log.exception("LMCache put tap failed (chunk not fingerprinted)")
