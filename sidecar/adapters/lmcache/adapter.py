@@ -124,9 +124,10 @@ class LMCacheAdapter:
     def __init__(self, engine: Any, reference: ChunkReference,
                  served: ServedKV | None = None, chunk_ids: int = 100_000,
                  model: str | None = None, fingerprint: bool = True) -> None:
-        """``fingerprint``: digest every stored chunk on the engine's thread (a layout copy
-        and BLAKE2b over its bytes, ~1 GB/s on one core); without it the content checks,
-        the tier comparison and the recompute still run, the exact byte check does not."""
+        """``fingerprint``: digest every stored chunk on the engine's thread (one layout
+        copy and BLAKE2b over its bytes: ~1.5 ms per MB stored, measured on this project's
+        2-core CI box); without it the content checks, the tier comparison and the
+        recompute still run, the exact byte check does not."""
         md = engine.metadata
         layers, _, _, heads, head_dim = md.kv_shape
         self.engine = engine
