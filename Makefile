@@ -1,6 +1,6 @@
 # kv-sidecar: two commands do all the set-up on a fresh machine.
 #   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
-#   make test   - build .venv (and .venv-vllm), run lint, unit, lean-install, Prometheus/Alertmanager e2e and vLLM tests
+#   make test   - build .venv (and .venv-vllm, .venv-lmcache), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM and LMCache tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm bench stack clean
+.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -28,7 +28,7 @@ lint: venv
 	$(VENV)/bin/mypy sidecar
 
 test-unit: venv
-	$(PY) -m pytest -q -m "not e2e and not vllm" tests
+	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache" tests
 
 test-e2e: venv
 	bash scripts/test-e2e.sh
@@ -40,7 +40,11 @@ test-lean:
 test-vllm: venv
 	bash scripts/test-vllm.sh
 
-test: lint test-unit test-lean test-e2e test-vllm
+# Real LMCache storage tiers (CPU + disk) in a venv of its own (its pins conflict with ours).
+test-lmcache:
+	bash scripts/test-lmcache.sh
+
+test: lint test-unit test-lean test-e2e test-vllm test-lmcache
 
 # Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
 stack: venv
@@ -50,7 +54,7 @@ bench: venv
 	$(VENV)/bin/kv-sidecar bench detection
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-lmcache .pytest_cache .mypy_cache .ruff_cache
 
 # N demo replicas (one with FAULT) behind one Prometheus + Alertmanager on 127.0.0.1; the page
 # names the bad replica (examples/fleet/README.md). Ctrl-C stops all.
