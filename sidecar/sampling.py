@@ -225,10 +225,9 @@ def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
         return []
     if last_block:
         indices = {n_full - 1}
-        earlier = list(range(n_full - 1))
-        extra = min(max_blocks - 1, len(earlier))
-        if extra > 0:
-            indices.update(rng.sample(earlier, extra))
+        extra = min(max_blocks - 1, n_full - 1)
+        if extra > 0:  # sampling a range is O(extra), whatever the hit's length
+            indices.update(rng.sample(range(n_full - 1), extra))
     else:
         indices = set(rng.sample(range(n_full), min(max_blocks, n_full)))
     refs: list[BlockRef] = []
