@@ -235,3 +235,34 @@ def test_monitor_verifies_captured_hits_against_hf(tiny_model: str, dtype: str) 
     assert mon.metrics.value(S.SAMPLED.name) == 2 == mon.metrics.value(S.HITS.name)
     with pytest.raises(AdapterError):
         VllmAdapter(info, ref).read(hit, [BlockRef(0, 1, 5)])
+
+
+def test_amx_layout_decodes_vnni_packed_blocks() -> None:
+    """bf16 on an AMX CPU: vLLM's amx kernel VNNI-packs K as [bs/16][d/2][16 tokens][2 dims]
+    and V as [d/16][bs/2][16 dims][2 tokens] (checked against the kernel itself in
+    tests/vllm/test_layout.py); here the order is spelled out element by element."""
+    h, bs, d = 2, 32, 32
+    k = torch.randn(h, bs, d).to(torch.bfloat16)
+    v = torch.randn(h, bs, d).to(torch.bfloat16)
+    flat = torch.zeros(h, 2 * bs * d, dtype=torch.bfloat16)
+    for t in range(bs):
+        for e in range(d):
+            flat[:, ((t // 16 * (d // 2) + e // 2) * 16 + t % 16) * 2 + e % 2] = k[:, t, e]
+            flat[:, bs * d + ((e // 16 * (bs // 2) + t // 2) * 16 + e % 16) * 2 + t % 2] = \
+                v[:, t, e]
+    pool = torch.zeros(3, h, bs, 2 * d, dtype=torch.bfloat16)
+    pool[1] = flat.reshape(h, bs, 2 * d)
+    dk, dv = decode_cpu_block([pool], 1, bs, isa="amx")
+    assert torch.equal(dk[0], k) and torch.equal(dv[0], v)
+    assert torch.equal(encode_cpu_block(k, v, "amx"), pool[1])
+    vk, _ = decode_cpu_block([pool], 1, bs, isa="vec")  # the other order: every value moved
+    assert not torch.equal(vk[0], k)
+
+
+def test_probe_refuses_a_cpu_kernel_whose_layout_is_untested(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.adapters.vllm import layout
+
+    monkeypatch.setattr(layout, "cpu_attn_isa", lambda *a: "neon")
+    with pytest.raises(UnsupportedLayout, match="'neon' CPU kernel"):
+        validate_cpu_layout({"l0": torch.zeros(2, 2, 32, 64)}, 32)

@@ -35,9 +35,9 @@ def test_engine_reference_calibrated_catches_one_percent_noise_in_bfloat16(
         for _ in range(ROUNDS):
             generate(eng.llm, wl.round())
         assert eng.sidecar.wait_for_samples(4 * ROUNDS)
-        hits = eng.sidecar.take_pending()
+        hits = eng.sidecar.take_pending()  # samples: the served KV captured by the probe
         assert eng.sidecar.adapter.reference is eng.engine_ref
-        clean = [mon.verify(h) for h in hits]
+        clean = [mon.verify_sample(h) for h in hits]
         state = next(s for s in mon.verifier.calibration.states() if s.reference == "engine")
         assert state.mode == "calibrated"
         # Clean runs stay quiet under the calibrated tolerance (after the blocks it learnt from).
@@ -56,12 +56,13 @@ def test_engine_reference_calibrated_catches_one_percent_noise_in_bfloat16(
         p2 = wl.prefixes[2]
         last = len(p2) // BLOCK - 1
         n = (len(p2) // BLOCK) * BLOCK
-        victim = int(next(h for h in hits if list(h.tokens[:n]) == p2[:n]).blocks[0][last])
+        victim = int(next(h.hit for h in hits
+                          if list(h.hit.tokens[:n]) == p2[:n]).blocks[0][last])
         assert eng.llm.collective_rpc(add_noise, args=(victim, 1e-2)) == [2]
         generate(eng.llm, [p2 + wl.tokens(9)])
         assert eng.sidecar.wait_for_samples(1)
-        (hit,) = eng.sidecar.take_pending()
-        v = mon.verify(hit)
+        (sample,) = eng.sidecar.take_pending()
+        v = mon.verify_sample(sample)
         assert {(f.kind, f.block_index) for f in v.findings} == \
             {(AnomalyKind.RECOMPUTE_MISMATCH, last)}
         err = max(e for _, e in v.errors)
