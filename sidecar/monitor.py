@@ -32,6 +32,7 @@ from sidecar.calibration import Calibration, calibration_config
 from sidecar.dispatch import MODES, Dispatcher, Mode
 from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
+from sidecar.journal import CacheEventJournal
 from sidecar.metrics import Metrics
 from sidecar.poller import AllocatorPoller
 from sidecar.protocol import (
@@ -139,7 +140,7 @@ class Monitor:
         self.stored = StoreIndex(c.store_records)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(c.recompute_tokens_per_s),
-                                 recompute=c.recompute, epoch_of=self.stored.epoch,
+                                 recompute=c.recompute, epoch_of=self._epoch_now,
                                  calibration=Calibration(self.info.dtype, self.info.kv_storage,
                                                          calibration_config(c)))
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
@@ -148,6 +149,9 @@ class Monitor:
         self.requests_done = 0
         self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
                                       burst=c.lifecycle_burst)
+        # Store/free events leave the engine's thread as one append (sidecar.journal).
+        self.journal = CacheEventJournal(self.stored, self.lifecycle)
+        self.lifecycle.before_read = self.journal.drain
         self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
                                                 LeakTrend(c.leak_window), self.info.engine,
                                                 self.info.model)
@@ -169,6 +173,8 @@ class Monitor:
         self._c_hit_tokens = m.cell(S.HIT_TOKENS)
         self._h_latency = m.cell(S.REQUEST_LATENCY)
         self._should_sample = self.sampler.should_sample
+        self._journal_store = self.journal.store
+        self._journal_free = self.journal.free
         self._nudge = self.poller.nudge
         capture = getattr(adapter, "capture", None) if c.capture else None
         self._capture = capture if callable(capture) else None
@@ -226,8 +232,9 @@ class Monitor:
             if not refs:
                 return None
             for group_id, ids in hit.blocks.items():
-                self.lifecycle.record(LifecycleOp.HIT, group_id, lookup.seq_id, ids,
+                self.journal.lifecycle_event(LifecycleOp.HIT, group_id, lookup.seq_id, ids,
                                       hit.generations.get(group_id, ()), lookup.hit_tokens)
+            self.journal.drain()
             records, epochs = self.stored.snapshot(refs)
             self.metrics.inc(S.SAMPLED)
             return self.dispatcher.submit(Sample(hit, refs, records, time.time(), epochs,
@@ -238,21 +245,17 @@ class Monitor:
 
     def on_store(self, block: StoredBlock) -> None:
         try:
-            self.stored.record(block)
+            self._journal_store(block)
             if self._sampler_store is not None:
                 self._sampler_store(block)
-            self.lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
-                                  (block.block_id,), (block.generation,),
-                                  block.prefix_tokens + len(block.tokens))
         except Exception as exc:
             self._hook_failed("on_store", exc)
 
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
-            self.stored.forget(group_id, block_ids)
+            self._journal_free(group_id, block_ids)
             if self._sampler_free is not None:
                 self._sampler_free(group_id, block_ids)
-            self.lifecycle.record(LifecycleOp.EVICT, group_id, None, block_ids)
         except Exception as exc:
             self._hook_failed("on_free", exc)
 
@@ -260,7 +263,7 @@ class Monitor:
                     generations: Sequence[int]) -> None:
         """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
         try:
-            self.lifecycle.record(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
+            self.journal.lifecycle_event(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
                                   generations)
         except Exception as exc:
             self._hook_failed("on_allocate", exc)
@@ -269,7 +272,7 @@ class Monitor:
         """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
         check, since a release is where premature and double frees happen."""
         try:
-            self.lifecycle.record(LifecycleOp.FREE, group_id, seq_id, block_ids)
+            self.journal.lifecycle_event(LifecycleOp.FREE, group_id, seq_id, block_ids)
             if self._sampler_release is not None:
                 self._sampler_release(group_id, seq_id, block_ids)
             self._nudge()
@@ -292,6 +295,7 @@ class Monitor:
                                          self.config.blocks_per_sample))
         if not refs:
             return None
+        self.journal.drain()  # the index as of this match
         records, epochs = self.stored.snapshot(refs)
         return Sample(hit, refs, records, time.time(), epochs, self._capture_now(hit, refs))
 
@@ -320,13 +324,18 @@ class Monitor:
     def _enqueue(self, hit: Hit, seq_id: SequenceId | None = None,
                  hit_tokens: int | None = None) -> None:
         for group_id, blocks in hit.blocks.items():  # sampled hits only: O(prefix) is fine
-            self.lifecycle.record(LifecycleOp.HIT, group_id, seq_id, blocks,
+            self.journal.lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
                                   hit.generations.get(group_id, ()), hit_tokens)
         sample = self._sample(hit)
         if sample is None:
             return
         self.metrics.inc(S.SAMPLED)
         self.dispatcher.submit(sample)
+
+    def _epoch_now(self, group_id: int, block_id: int) -> int:
+        """A block's epoch with every store/free so far applied (the verifier's check)."""
+        self.journal.drain()
+        return self.stored.epoch(group_id, block_id)
 
     def _drop(self, reason: DropReason) -> None:
         self.metrics.inc(S.SAMPLES_DROPPED, reason=reason.value)
@@ -369,6 +378,7 @@ class Monitor:
         """Start verification (queued mode) and allocator polling; idempotent."""
         if not self._started:
             self._started = True
+            self.journal.start()
             self.dispatcher.start()
             self.poller.start()
         return self
@@ -377,6 +387,7 @@ class Monitor:
         """Stop polling and the worker; samples still queued are dropped and counted."""
         self.poller.stop(timeout_s)
         self.dispatcher.stop(timeout_s)
+        self.journal.stop(timeout_s)
         self._started = False
 
     def drain(self, timeout_s: float = 60.0) -> bool:
@@ -404,6 +415,7 @@ class Monitor:
 
     def apply(self, verdict: Verdict) -> None:
         """Turn a verdict into signals, evidence and sampler feedback (sidecar.report)."""
+        self.journal.drain()  # the lifecycle in the evidence is complete up to now
         self.reporter.apply(verdict)
 
     def poll_allocator(self) -> AllocatorState | None:
@@ -414,6 +426,8 @@ class Monitor:
         """What ``/healthz`` reports: the threads that must run, and whether verification
         progresses (silence is not health)."""
         return {"verifier_alive": self.dispatcher.alive, "poller_alive": self.poller.alive,
+                "journal_alive": self.journal.alive or not self._started,
+                "journal_pending": self.journal.pending, "journal_resets": self.journal.resets,
                 "pending_samples": self.dispatcher.pending,
                 "verified_samples": self.dispatcher.verified_samples,
                 "last_verification": self.reporter.last_verification,

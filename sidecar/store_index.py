@@ -44,9 +44,11 @@ class StoreIndex:
     def __len__(self) -> int:
         return len(self._records)
 
-    def record(self, block: StoredBlock) -> None:
+    def record(self, block: StoredBlock, own_hash: int | None = None) -> None:
         """Remember a stored block, chaining its token digest on its parent's record (or on
-        the prefix digest the engine gave)."""
+        the prefix digest the engine gave). ``own_hash``: the block's
+        :func:`~sidecar.checks.keys.tokens_hash`, when taken earlier (the journal takes it on
+        the engine's thread)."""
         gid = block.group_id
         key = (gid, block.block_id)
         prefix = block.prefix_tokens
@@ -71,7 +73,8 @@ class StoreIndex:
             # tuple.__new__ builds the NamedTuple without its Python-level __new__ (4x
             # cheaper on the store hook); fields in StoreRecord's order.
             records[key] = _new_record(StoreRecord, (
-                block.generation, token_digest(parent_digest, block.tokens), chained, prefix,
+                block.generation, token_digest(parent_digest, block.tokens, own_hash), chained,
+                prefix,
                 dict(kf) if kf else _NO_FIELDS, block.kv_digest, epoch))
             if len(records) > self.capacity:
                 del records[next(iter(records))]
@@ -92,6 +95,14 @@ class StoreIndex:
     def _reset_epochs(self) -> None:
         self._epochs.clear()
         self.epoch_resets += 1
+
+    def reset(self) -> None:
+        """Forget everything (events were lost): no record, every epoch moved. In-flight
+        samples are then dropped and blocks without records skip the key checks: the safe
+        direction, never a false alarm."""
+        with self._lock:
+            self._records.clear()
+            self._reset_epochs()
 
     def epoch(self, group_id: int, block_id: int) -> int:
         """The block's current epoch (0 when never seen, or after a reset)."""

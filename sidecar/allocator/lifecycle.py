@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,14 +85,18 @@ class LifecycleLog:
         self._burst_left = 0
         self._lock = threading.Lock()
         self.events = 0
+        # Called before every read: whoever records events late (the cache-event journal)
+        # applies them first, so a read sees every event recorded so far.
+        self.before_read: Callable[[], object] | None = None
 
     def record(self, op: LifecycleOp, group_id: int, seq_id: SequenceId | None,
                block_ids: Sequence[int], generations: Sequence[int] = (),
-               length: int | None = None) -> None:
-        """One event (hot path: see the module docstring)."""
+               length: int | None = None, at: float | None = None) -> None:
+        """One event (hot path: see the module docstring); ``at``: when it happened, where
+        it is recorded later than that (the cache-event journal)."""
         self.events = n = self.events + 1
-        ev = (n, time.time(), op, group_id, seq_id, tuple(block_ids), tuple(generations),
-              length)
+        ev = (n, time.time() if at is None else at, op, group_id, seq_id, tuple(block_ids),
+              tuple(generations), length)
         self._window.append(ev)
         if self._burst_left > 0:
             self._burst_left -= 1
@@ -117,6 +121,7 @@ class LifecycleLog:
         """The last ``limit`` events (window and sampled log) naming any of ``block_ids``,
         oldest first: how those blocks got where they are."""
         blocks = frozenset(block_ids)
+        self._catch_up()
         with self._lock:
             raw = {e[0]: e for e in _copy(self._kept)}
             raw.update((e[0], e) for e in _copy(self._window))
@@ -126,9 +131,15 @@ class LifecycleLog:
 
     def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The newest ``n`` sampled (or burst) events."""
+        self._catch_up()
         with self._lock:
             kept = _copy(self._kept)[-n:]
         return [LifecycleEvent(*e).as_dict() for e in kept]
+
+
+    def _catch_up(self) -> None:
+        if self.before_read is not None:
+            self.before_read()
 
 
 def _copy(events: deque[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

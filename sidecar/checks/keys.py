@@ -21,16 +21,24 @@ from sidecar.signals import AnomalyKind
 ROOT_DIGEST = 0x6B7673696465636172  # "kvsidecar": the parent of every first block
 
 
-def token_digest(parent: int | None, tokens: Sequence[int]) -> int:
-    """Digest of one block's tokens chained on its parent's digest (``None``: first block).
+def tokens_hash(tokens: Sequence[int]) -> int:
+    """One block's own token hash (no chain): what the store hook computes on the engine's
+    thread, so the block's tokens may change after the hook returns."""
+    return hash(tuple(tokens))
+
+
+def token_digest(parent: int | None, tokens: Sequence[int], own: int | None = None) -> int:
+    """Digest of one block's tokens chained on its parent's digest (``None``: first block);
+    ``own`` is :func:`tokens_hash` of ``tokens`` where it is already known.
 
     CPython's tuple hash (xxHash-style mixing, done in C; deterministic for ints, which are
-    not salted) over ``(parent, tokens)``: on the engine's store hook, this costs a tuple
-    copy of the block's tokens instead of a Python-level hash of their bytes. 64 bits is
-    ample to tell a hit's tokens from the stored ones (the sidecar checks an engine's
-    honesty, not an adversary's collisions); the engine's own key hash stays its business.
+    not salted): on the engine's store hook this costs a tuple copy of the block's tokens
+    instead of a Python-level hash of their bytes. 64 bits is ample to tell a hit's tokens
+    from the stored ones (the sidecar checks an engine's honesty, not an adversary's
+    collisions); the engine's own key hash stays its business.
     """
-    return hash((ROOT_DIGEST if parent is None else parent, tuple(tokens)))
+    return hash((ROOT_DIGEST if parent is None else parent,
+                 tokens_hash(tokens) if own is None else own))
 
 
 def prefix_digest(tokens: Sequence[int], block_size: int) -> int | None:
