@@ -78,14 +78,27 @@ class EventSubscriber:
             while not self._stop.is_set():
                 if not sub.poll(100):
                     continue
-                self.handle(sub.recv_multipart())
-        except Exception:  # the stream is an observation: log, never take the sidecar down
+                self.handle_safely(sub.recv_multipart())
+        except Exception:  # socket errors only: handle_safely() never raises
             log.exception("KV event subscriber stopped unexpectedly")
         finally:
             self._ready.set()
             sub.close(0)
 
+    @property
+    def alive(self) -> bool:
+        """The consuming thread is running (``/healthz`` reports it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # ------------------------------------------------------------------ one message
+    def handle_safely(self, frames: Sequence[bytes]) -> None:
+        """:meth:`handle`, but no peer input can end the loop: whatever escapes the decoder
+        or the auditor is counted as a ``handle`` decode error and logged (rate-limited)."""
+        try:
+            self.handle(frames)
+        except Exception as exc:
+            self._decode_failed(EventDecodeError("handle", f"{type(exc).__name__}"))
+
     def handle(self, frames: Sequence[bytes]) -> None:
         """Decode, track sequence numbers (replaying gaps), and apply one message."""
         try:
@@ -120,9 +133,11 @@ class EventSubscriber:
 
     def _decode_failed(self, exc: EventDecodeError) -> None:
         self.auditor.decode_error(exc.reason)
-        if self._errors_logged < 5:
-            self._errors_logged += 1
-            log.warning("malformed KV event message skipped (counted): %s", exc)
+        self._errors_logged += 1
+        # The first few, then one in 1000: a hostile stream must not flood the log.
+        if self._errors_logged <= 5 or self._errors_logged % 1000 == 0:
+            log.warning("malformed KV event message skipped (counted, #%d): %s",
+                        self._errors_logged, exc)
 
     # ------------------------------------------------------------------ replay
     def _replay(self, start: int, stop: int) -> int:
