@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from sidecar import hook_input as HI
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp, PollTrigger
 from sidecar.evidence import EvidenceLog
@@ -151,10 +152,12 @@ class Monitor:
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
+        HI.init_series(m)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
+            if HI.reject(self.metrics, "on_lookup", HI.check_lookup(lookup)): return  # noqa: E701
             m = self.metrics
             m.inc(S.LOOKUPS)
             m.inc(S.QUERY_TOKENS, lookup.query_tokens)
@@ -173,6 +176,7 @@ class Monitor:
 
     def on_store(self, block: StoredBlock) -> None:
         try:
+            if HI.reject(self.metrics, "on_store", HI.check_store(block)): return  # noqa: E701
             self.stored.record(block)
             if self._sampler_store is not None:
                 self._sampler_store(block)
@@ -184,6 +188,7 @@ class Monitor:
 
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
+            if HI.reject(self.metrics, "on_free", HI.check_blocks(group_id, block_ids)): return  # noqa: E701
             self.stored.forget(group_id, block_ids)
             if self._sampler_free is not None:
                 self._sampler_free(group_id, block_ids)
@@ -195,6 +200,7 @@ class Monitor:
                     generations: Sequence[int]) -> None:
         """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
         try:
+            if HI.reject(self.metrics, "on_allocate", HI.check_blocks(group_id, block_ids)): return  # noqa: E701
             self.lifecycle.record(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
                                   generations)
         except Exception as exc:
@@ -204,6 +210,7 @@ class Monitor:
         """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
         check, since a release is where premature and double frees happen."""
         try:
+            if HI.reject(self.metrics, "on_release", HI.check_blocks(group_id, block_ids)): return  # noqa: E701
             self.lifecycle.record(LifecycleOp.FREE, group_id, seq_id, block_ids)
             if self._sampler_release is not None:
                 self._sampler_release(group_id, seq_id, block_ids)
@@ -214,6 +221,7 @@ class Monitor:
 
     def on_request_done(self, latency_seconds: float) -> None:
         try:
+            if HI.reject(self.metrics, "on_request_done", HI.check_latency(latency_seconds)): return  # noqa: E701
             self.requests_done += 1
             self._latencies.append(latency_seconds)
             self.metrics.observe(S.REQUEST_LATENCY, latency_seconds)

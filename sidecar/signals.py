@@ -256,3 +256,22 @@ def markdown_table() -> str:
         labels = ", ".join(BASE_LABELS + s.labels)
         rows.append(f"| `{s.name}` | {s.type.value} | {labels} | {s.help} |")
     return "\n".join(rows)
+
+
+# --- Hook-input validation (sidecar/hook_input.py): a bad value an engine hands a hook is
+# counted here and dropped, never applied. Labels: hook (the six hooks), reason (InputReject).
+class InputReject(enum.StrEnum):
+    """The value of the ``reason`` label of :data:`HOOK_INPUT_REJECTED`."""
+
+    TYPE = "type"  # not the documented type (None, bool, float count, wrong object)
+    NAN = "nan"
+    NEGATIVE = "negative"
+    ABSURD = "absurd"  # past any real workload (a 400M-token hit, a day-long request)
+    INCONSISTENT = "inconsistent"  # e.g. more tokens hit than looked up
+
+
+HOOK_INPUT_REJECTED = _s("hook_input_rejected_total", C,
+                         "Hook calls dropped because their input was invalid (None, NaN, "
+                         "negative, absurd, inconsistent), by hook and reason.",
+                         ("hook", "reason"))
+ALL_SIGNALS = (*ALL_SIGNALS, HOOK_INPUT_REJECTED)
