@@ -128,10 +128,14 @@ class Verifier:
         cached = self._call("read", self.adapter.read, verdict, hit, refs,
                             len(refs) - len(condemned))
         passed: list[BlockKV] = []
+        asked = {r for r in refs if r not in condemned}
+        got: set[BlockRef] = set()
         for block in cached or []:
             ref = block.ref
-            if ref in condemned:
+            if ref not in asked or ref in got:  # never asked for (or twice): not evidence
+                verdict.adapter_errors.append(("read", "unexpected_block"))
                 continue
+            got.add(ref)
             at_hit = _generation_at_hit(hit, ref)
             if block.generation is not None and at_hit is not None \
                     and block.generation != at_hit:
@@ -148,6 +152,9 @@ class Verifier:
             else:
                 passed.append(block)
 
+        if cached is not None and len(got) < len(asked):  # asked for, never returned
+            verdict.adapter_errors.append(("read", "missing_block"))
+            _drop(verdict, DropReason.ADAPTER_ERROR)
         verdict.verified.extend(r for r in refs if r in condemned)
         if not passed:
             return
@@ -166,6 +173,8 @@ class Verifier:
         if reference is None:
             return
         by_ref = {r.ref: r for r in reference}
+        if any(ref not in {b.ref for b in blocks} for ref in by_ref):
+            verdict.adapter_errors.append(("recompute", "unexpected_block"))
         for block in blocks:
             ref_kv = by_ref.get(block.ref)
             if ref_kv is None:
@@ -186,14 +195,18 @@ class Verifier:
               at_stake: int) -> list[BlockKV] | None:
         """A guarded adapter call; on failure, ``at_stake`` undecided blocks are dropped."""
         try:
-            return list(self.guard.call(op, fn, hit, refs))
+            out = self.guard.call(op, fn, hit, refs)
+            blocks = [b for b in out if isinstance(b, BlockKV) and isinstance(b.ref, BlockRef)]
+            if len(blocks) != len(out):  # garbage from the adapter: skipped and counted
+                verdict.adapter_errors.append((op, "garbage"))
+            return blocks
         except AdapterTimeout:
             verdict.adapter_errors.append((op, "timeout"))
             _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
         except AdapterRefused:
             verdict.adapter_errors.append((op, "refused"))
             _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
-        except Exception as exc:  # an adapter bug is counted and logged, never fatal
+        except Exception as exc:  # an adapter bug (AdapterExit too) is counted, never fatal
             log.warning("adapter %s failed: %s: %s", op, type(exc).__name__, exc)
             verdict.adapter_errors.append((op, "error"))
             _drop(verdict, DropReason.ADAPTER_ERROR, at_stake)
@@ -206,5 +219,8 @@ def _generation_at_hit(hit: Hit, ref: BlockRef) -> int | None:
 
 
 def _drop(verdict: Verdict, reason: DropReason, n: int = 1) -> None:
+    """Record that ``n`` blocks of this sample could not be decided for ``reason``. The
+    drop counter counts *samples* (one per reason per sample, however many blocks), so
+    ``samples_dropped_total / sampled_total`` is a ratio of like with like."""
     if n > 0:
-        verdict.dropped[reason] = verdict.dropped.get(reason, 0) + n
+        verdict.dropped[reason] = 1
