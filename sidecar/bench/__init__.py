@@ -21,6 +21,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "until first detection, noise floor vs tolerance, sampling policies at "
                     "equal budget, and the fingerprint digest's throughput.")
     add_arguments(d)
+    from sidecar.bench import reliability
+
+    r = bench_sub.add_parser(
+        "reliability", help="fuzzers, floods, adapter faults, SIGKILL cycles (issue 12)",
+        description="Seeded mutation fuzzers (KV events, probe wire, hook objects, HTTP), "
+                    "floods, adapter faults and SIGKILL/restart cycles of evidence writing; "
+                    "prints cases, survived, escaped and lost (must be 0).")
+    reliability.add_arguments(r)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -29,5 +37,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from sidecar.bench.detection import run
 
         return run(args)
-    print("usage: kv-sidecar bench detection [--dtype ...] [--faults ...] [--json]")
+    if getattr(args, "bench", None) == "reliability":
+        from sidecar.bench.reliability import run as run_reliability
+
+        return run_reliability(args)
+    print("usage: kv-sidecar bench detection [--dtype ...] [--faults ...] [--json]\n"
+          "       kv-sidecar bench reliability [--quick] [--json]")
     return 2
