@@ -84,7 +84,7 @@ def test_byte_length_is_checked_before_a_tensor_is_built() -> None:
 def test_deep_extra_key_is_a_counted_decode_error_and_later_batches_apply() -> None:
     a = EventAuditor(Metrics("vllm", "t"))
     sub = EventSubscriber(a, "ipc:///unused")
-    bad = encode_batch(0, [0.0, [stored(0, extra_keys=[[nested(500)]])]])
+    bad = encode_batch(0, [0.0, [stored(0, extra_keys=[[["mm-hash", nested(500)]]])]])
     assert len(bad[2]) < 2000  # a 644-byte class of message
     sub.handle_safely(bad)
     sub.handle_safely(encode_batch(1, [0.0, [stored(1)]]))
@@ -94,11 +94,12 @@ def test_deep_extra_key_is_a_counted_decode_error_and_later_batches_apply() -> N
 
 
 def test_msgpack_nesting_is_an_event_decode_error_not_recursion() -> None:
-    payload = b"\x92\xcb" + bytes(8) + b"\x91" * 1000 + b"\xc0"
+    # [ts, [{"type": [[[... 1000 deep]]]}]]: the error message's repr used to recurse
+    payload = b"\x92\xcb" + bytes(8) + b"\x91\x81\xa4type" + b"\x91" * 1000 + b"\xc0"
     with pytest.raises(EventDecodeError):
         decode_message([b"", (0).to_bytes(8, "big"), payload])
-    with pytest.raises(EventDecodeError):  # a deep value in an unknown event type
-        decode_message(encode_batch(0, [0.0, [{"type": nested(900)}]]))
+    with pytest.raises(EventDecodeError):
+        decode_message([b"", (0).to_bytes(8, "big"), b"\x91" * 5000 + b"\xc0"])
 
 
 def test_oversized_payload_is_refused_before_decoding() -> None:
