@@ -179,6 +179,19 @@ def test_peer_drop_counts_are_clamped(tmp_path) -> None:
     assert len(rx._dropped) <= 64
 
 
+def test_capture_cannot_choose_its_group_label(tmp_path) -> None:
+    caps: list[object] = []
+    rx = ProbeReceiver(f"ipc://{tmp_path}/p.sock", Metrics("v", "t"), lambda _: None,
+                       caps.append, groups=[0])
+    kv = [[99, 0, 1, "float32", [1, 1, 1, 1], bytes(4), bytes(4)]]
+    rx.handle(pack("capture", id="x", role="hit", salt=None, tokens=[1] * 4, query_tokens=5,
+                   hit_tokens=4, blocks={99: [1]}, kv=kv))
+    assert caps == [] and rx.bad_messages == 1
+    rx.handle(pack("capture", id="y", role="hit", salt=None, tokens=[1] * 4, query_tokens=5,
+                   hit_tokens=4, blocks={0: [1]}, kv=[[0, *kv[0][1:]]]))
+    assert len(caps) == 1
+
+
 def test_probe_ipc_socket_is_owner_only_and_endpoints_allow_listed(tmp_path) -> None:
     rx = ProbeReceiver(f"ipc://{tmp_path}/p.sock", Metrics("v", "t"), lambda _: None,
                        lambda _: None).start()

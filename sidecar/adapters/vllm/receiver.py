@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -61,8 +61,12 @@ class ProbeReceiver:
                  on_capture: Callable[[Capture], None],
                  on_hello: Callable[[dict[str, Any]], None] | None = None,
                  context: zmq.Context | None = None,
-                 ipc_dirs: tuple[str, ...] | None = None) -> None:
+                 ipc_dirs: tuple[str, ...] | None = None,
+                 groups: Iterable[int] | None = None) -> None:
         check_endpoint(endpoint, IPC_DIRS if ipc_dirs is None else ipc_dirs)
+        # Cache groups the engine has (describe()): a capture naming another is refused,
+        # so a sender cannot choose the group label of what gets verified.
+        self.groups = frozenset(groups) if groups is not None else None
         self.endpoint = endpoint
         self.metrics = metrics
         self.on_lookups = on_lookups
@@ -161,6 +165,9 @@ class ProbeReceiver:
                         type(exc).__name__, exc)
 
     def _capture(self, cap: Capture) -> None:
+        if self.groups is not None and not (set(cap.blocks) <= self.groups and
+                                            all(g in self.groups for g, _ in cap.kv)):
+            raise WireError("capture names a cache group the engine does not have")
         if cap.role == "reference":
             with self._lock:
                 fut = self._waiting.pop(cap.salt or "", None)

@@ -109,7 +109,8 @@ class VllmSidecar:
         self.receiver: ProbeReceiver | None = None
         if cfg.probe_endpoint:
             self.receiver = ProbeReceiver(cfg.probe_endpoint, self.metrics, self._on_lookups,
-                                          self._on_capture, self._on_hello)
+                                          self._on_capture, self._on_hello,
+                                          groups=[g.group_id for g in info.groups])
         self.adapter.reference = self._make_reference(cfg, submit)
         self.auditor = EventAuditor(self.metrics, cfg.hash_algo, cfg.hash_seed,
                                     groups=[g.group_id for g in info.groups])
