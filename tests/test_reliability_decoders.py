@@ -202,6 +202,8 @@ def test_probe_ipc_socket_is_owner_only_and_endpoints_allow_listed(tmp_path) -> 
     for bad in ("tcp://0.0.0.0:5555", "tcp://*:5555", "ipc:///etc/kvsidecar.sock"):
         with pytest.raises(ValueError):
             ProbeReceiver(bad, Metrics("v", "t"), lambda _: None, lambda _: None)
+        with pytest.raises(ValueError):  # a bound event socket is held to the same rule
+            EventSubscriber(EventAuditor(Metrics("v", "t")), bad, bind=True)
 
 
 def test_handle_never_raises_under_mutation() -> None:

@@ -26,31 +26,16 @@ from typing import Any
 import zmq
 
 from sidecar import signals as S
+from sidecar.adapters.vllm.endpoints import IPC_DIRS, check_endpoint
 from sidecar.adapters.vllm.wire import Capture, WireError, decode_capture, unpack
 from sidecar.metrics import Metrics
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
 
-IPC_DIRS = ("/tmp", "/run", "/var/run", "/dev/shm")
 MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
 MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
 MAX_LOOKUPS = 65_536  # lookups in one message (one engine step)
-
-
-def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
-    """Refuse endpoints any other host or user could send to (ValueError says why)."""
-    if endpoint.startswith("ipc://"):
-        path = os.path.realpath(endpoint.removeprefix("ipc://"))
-        if not any(path == d or path.startswith(d.rstrip("/") + "/")
-                   for d in (os.path.realpath(d) for d in ipc_dirs)):
-            raise ValueError(f"probe socket {path} is not under an allowed directory "
-                             f"{list(ipc_dirs)}")
-        return
-    if endpoint.startswith("tcp://127.0.0.1:"):
-        return
-    raise ValueError(f"probe endpoint {endpoint!r} must be ipc://<path> or "
-                     f"tcp://127.0.0.1:<port> (the probe pipe is not authenticated)")
 
 
 class ProbeReceiver:

@@ -16,6 +16,7 @@ one (``bind=True``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import zmq
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.audit import EventAuditor
+from sidecar.adapters.vllm.endpoints import check_endpoint
 from sidecar.adapters.vllm.events import EventBatch, EventDecodeError, decode_message
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class EventSubscriber:
     def __init__(self, auditor: EventAuditor, endpoint: str,
                  replay_endpoint: str | None = None, topic: str = "", bind: bool = False,
                  replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
+        if bind:  # a bound ingest socket: loopback or an owner-only ipc path (receiver.py)
+            check_endpoint(endpoint)
         self.auditor = auditor
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -71,7 +75,11 @@ class EventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
             if self.bind:
-                sub.bind(self.endpoint)
+                old = os.umask(0o177)  # an ipc socket file is created 0600
+                try:
+                    sub.bind(self.endpoint)
+                finally:
+                    os.umask(old)
             else:
                 sub.connect(self.endpoint)
             self._ready.set()
