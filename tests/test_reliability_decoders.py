@@ -213,3 +213,13 @@ def test_handle_never_raises_under_mutation() -> None:
     for result in (fuzz_events(2000, seed=1), fuzz_probe(2000, seed=2)):
         assert result.escaped == 0 and result.cases == 2000, result
     assert threading.active_count() < 50
+
+
+def test_bench_ingest_reports_side_by_side_rates() -> None:
+    """The lead's ``bench perf`` row (issue 10): numbers, not a timed assertion."""
+    from sidecar.adapters.vllm.audit import bench_ingest
+
+    out = bench_ingest(2000, repeats=1)
+    assert out["hashes_verified"] == out["events"] == 2000
+    assert out["ingest_events_per_s"] > 0 and out["msgpack_events_per_s"] > 0
+    assert 0 < out["ingest_vs_msgpack"] < 10
