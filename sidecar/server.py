@@ -5,7 +5,9 @@ sidecar is scraped by a local Prometheus or a pod-local agent, not exposed to th
 Hardened so scrapers cannot hurt it or the engine beside it: a listen backlog of
 :data:`BACKLOG` (200 concurrent scrapers no longer wait for SYN retries), a per-connection
 socket timeout (an idle or slow-loris connection is closed, it does not hold a thread for
-ever), at most :data:`MAX_HANDLERS` handler threads (more connections get a 503 at once).
+ever; until it sends a byte it holds no thread at all, see :class:`_Reception`), at most
+:data:`MAX_HANDLERS` handler threads (a connection that finds none free waits for one up
+to its timeout, then gets a 503).
 ``/status`` never emits NaN (non-finite numbers become ``null``) and never answers 500 for
 bad state. Opt-in auth: with a bearer token (:func:`load_token`: a file or an environment
 variable) the control surface (``/status``, any future control endpoint) needs
@@ -14,12 +16,17 @@ variable) the control surface (``/status``, any future control endpoint) needs
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import math
 import os
+import selectors
+import socket
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 
 BACKLOG = 256
 MAX_HANDLERS = 64
+MAX_WAITING = 4096  # accepted connections held (idle) without a thread
 CONNECTION_TIMEOUT_S = 5.0
 TOKEN_ENV = "KVSIDECAR_TOKEN"
 PROTECTED = frozenset({"/status"})
@@ -60,37 +68,132 @@ def finite(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
+class _Reception(threading.Thread):
+    """Holds accepted connections until they send something, so an idle (or slow-loris)
+    connection costs a file descriptor, not a handler thread. A readable connection waits
+    here for a free handler slot; one idle past ``idle_s`` is closed, one still waiting
+    for a slot at its deadline gets a 503. At most ``max_waiting`` are held."""
+
+    def __init__(self, server: _BoundedServer, idle_s: float, max_waiting: int) -> None:
+        super().__init__(name="kvsidecar-http-reception", daemon=True)
+        self.server = server
+        self.idle_s = idle_s
+        self.max_waiting = max_waiting
+        self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._new: deque[tuple[Any, Any]] = deque()
+        self._idle: dict[Any, tuple[Any, float]] = {}  # sock -> (address, deadline)
+        self._ready: deque[tuple[Any, Any, float]] = deque()
+        self._halt = threading.Event()
+        self.idle_closed = 0
+
+    def add(self, sock: Any, address: Any) -> None:
+        self._new.append((sock, address))
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.wake()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                self._step(0.05 if self._ready else 0.5)
+        finally:
+            for sock in [*self._idle, *(r[0] for r in self._ready),
+                         *(n[0] for n in self._new)]:
+                self.server.shutdown_request(sock)
+            self.sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _step(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            if key.data is None:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+                continue
+            sock = key.fileobj
+            self.sel.unregister(sock)
+            address, deadline = self._idle.pop(sock)
+            self._ready.append((sock, address, deadline))
+        now = time.monotonic()
+        while self._new:
+            sock, address = self._new.popleft()
+            if len(self._idle) >= self.max_waiting:
+                self.server.refuse(sock)
+                continue
+            self._idle[sock] = (address, now + self.idle_s)
+            self.sel.register(sock, selectors.EVENT_READ, True)
+        while self._ready:  # oldest first, while handler slots are free
+            sock, address, deadline = self._ready[0]
+            if self.server.dispatch(sock, address):
+                self._ready.popleft()
+            elif deadline < now:
+                self._ready.popleft()
+                self.server.refuse(sock)
+            else:
+                break
+        for sock, (_address, deadline) in list(self._idle.items()):
+            if deadline < now:
+                self.sel.unregister(sock)
+                del self._idle[sock]
+                self.idle_closed += 1
+                self.server.shutdown_request(sock)
+
+
 class _BoundedServer(ThreadingHTTPServer):
     request_queue_size = BACKLOG
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_handlers: int) -> None:
+                 max_handlers: int, idle_s: float, max_waiting: int = MAX_WAITING) -> None:
         self._slots = threading.BoundedSemaphore(max_handlers)
         self.rejected = 0
         super().__init__(address, handler)
+        self.reception = _Reception(self, idle_s, max_waiting)
+        self.reception.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        self.reception.add(request, client_address)  # no thread until it sends something
+
+    def dispatch(self, request: Any, client_address: Any) -> bool:
+        """Start a handler thread for a connection that has data; False when none is free."""
         if not self._slots.acquire(blocking=False):
-            self.rejected += 1
-            try:
-                request.settimeout(0.5)
-                request.sendall(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+            return False
         try:
-            super().process_request(request, client_address)
+            ThreadingHTTPServer.process_request(self, request, client_address)
         except BaseException:
             self._slots.release()
-            raise
+            self.shutdown_request(request)
+        return True
+
+    def refuse(self, request: Any) -> None:
+        self.rejected += 1
+        try:
+            request.settimeout(0.5)
+            request.sendall(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            self.reception.wake()  # a waiting connection may take the slot
+
+    def server_close(self) -> None:
+        self.reception.stop()
+        self.reception.join(2.0)
+        super().server_close()
 
 
 class SidecarServer:
@@ -105,7 +208,7 @@ class SidecarServer:
         self.token = token
         self.unauthorized = 0
         handler = self._handler(timeout_s)
-        self.httpd = _BoundedServer((host, port), handler, max_handlers)
+        self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s)
         self._thread: threading.Thread | None = None
 
     @property
@@ -123,6 +226,11 @@ class SidecarServer:
     def rejected(self) -> int:
         """Connections answered 503 because every handler thread was busy."""
         return int(getattr(self.httpd, "rejected", 0))
+
+    @property
+    def idle_closed(self) -> int:
+        """Connections closed because they sent nothing within the timeout."""
+        return self.httpd.reception.idle_closed
 
     def start(self) -> SidecarServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever,

@@ -206,22 +206,31 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def test_idle_connections_time_out_and_handlers_are_bounded() -> None:
+def test_idle_connections_hold_no_thread_time_out_and_handlers_are_bounded() -> None:
     from prometheus_client import CollectorRegistry
 
     srv = SidecarServer(CollectorRegistry(), dict, port=0, timeout_s=0.3,
-                        max_handlers=2).start()
+                        max_handlers=1).start()
     try:
         assert srv.httpd.request_queue_size >= 128
-        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
-        time.sleep(0.1)
-        third = socket.create_connection(("127.0.0.1", srv.port))
-        third.settimeout(3)
-        assert b"503" in third.recv(200)  # every handler busy: refused at once
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(50)]
+        assert _get(srv.url + "/metrics")[0] == 200  # 50 idle connections, 1 handler: fine
         for s in idle:
             s.settimeout(3)
-            assert s.recv(10) == b""  # the idle connection was closed by the server
-        assert _get(srv.url + "/metrics")[0] == 200  # slots are free again
+            assert s.recv(10) == b""  # closed by the server once idle past the timeout
+        assert srv.idle_closed >= 50
+        loris = socket.create_connection(("127.0.0.1", srv.port))
+        loris.sendall(b"G")  # holds the only handler until its read times out
+        time.sleep(0.1)
+        late = socket.create_connection(("127.0.0.1", srv.port))
+        late.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        late.settimeout(5)
+        assert late.recv(12).startswith(b"HTTP/1.")  # served once free, or a 503: never hangs
+        loris.settimeout(5)
+        answer = loris.recv(100)  # timed out: closed (http.server may say 408/400 first)
+        assert answer == b"" or answer.startswith(b"HTTP/1.")
+        for s in (*idle, loris, late):
+            s.close()
     finally:
         srv.stop()
 
