@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.protocol import Hit, Lookup, StoredBlock
+from sidecar.protocol import AllocatorState, Hit, Lookup, StoredBlock
 from sidecar.signals import InputReject
 
 # Larger than any context window an engine serves today (10M tokens), small enough that a
@@ -116,3 +116,36 @@ def init_series(metrics: Any) -> None:
     for hook in HOOKS:
         for why in InputReject:
             metrics.inc(S.HOOK_INPUT_REJECTED, 0, hook=hook, reason=why.value)
+
+
+_STATE_COUNTS = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks",
+                 "largest_free_run", "allocations", "allocation_failures", "allocated_slots",
+                 "filled_slots")
+
+
+def check_allocator_state(state: Any) -> InputReject | None:
+    """What ``adapter.allocator()`` returned: an :class:`AllocatorState` of non-negative
+    ints. Anything else would be stored and then fail every scrape (the registry's
+    collector reads it), so it is refused at the poll."""
+    if state is None:
+        return None
+    if not isinstance(state, AllocatorState):
+        return InputReject.TYPE
+    for name in _STATE_COUNTS:
+        why = _int_reason(getattr(state, name), 1 << 62)
+        if why is not None:
+            return why
+    for name in ("live_sequences", "held_blocks"):
+        v = getattr(state, name)
+        if v is not None and _int_reason(v, 1 << 62) is not None:
+            return InputReject.TYPE
+    return None
+
+
+def reject_adapter_output(metrics: Any, op: str, why: InputReject | None) -> bool:
+    """Count adapter output refused as garbage (``adapter_errors_total{op, reason=
+    "garbage"}``); True when the caller must drop it."""
+    if why is None:
+        return False
+    metrics.inc(S.ADAPTER_ERRORS, op=op, reason="garbage")
+    return True

@@ -374,6 +374,7 @@ class Monitor:
         trigger and callers are serialised."""
         with self._poll_lock:
             state = self._adapter_call("allocator", self.adapter.allocator)
+            if HI.reject_adapter_output(self.metrics, "allocator", HI.check_allocator_state(state)): state = None  # noqa: E501,E701
             if state is not None:
                 self.metrics.allocator.update(state)
             tables: Sequence[BlockTableSnapshot] | None = None

@@ -268,3 +268,19 @@ def test_opt_in_bearer_token_guards_status(tmp_path, monkeypatch) -> None:
         assert _get(srv.url + "/metrics")[0] == 200
     finally:
         srv.stop()
+
+
+def test_garbage_allocator_state_cannot_break_every_scrape() -> None:
+    """Found by the bench's adapter faults: a list from allocator() was stored and then
+    made every /metrics scrape and /status raise."""
+    from prometheus_client import generate_latest
+
+    from sidecar.protocol import AllocatorState
+
+    _, adapter, mon = make_toy()
+    for garbage in ([object(), None], AllocatorState(8, "x", 0, 0, 0, 0, 0)):  # type: ignore[arg-type]
+        adapter.allocator = lambda g=garbage: g  # type: ignore[method-assign]
+        assert mon.poll_allocator() is None
+        generate_latest(mon.metrics.registry)
+        json.dumps(mon.summary(), allow_nan=False)
+    assert mon.metrics.value(S.ADAPTER_ERRORS.name, op="allocator", reason="garbage") == 2
