@@ -160,7 +160,7 @@ def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequenc
 def decode_capture(msg: dict[str, Any]) -> Capture:
     """A ``capture`` message, every field type-checked; a bad one is a :class:`WireError`."""
     cid, role, salt = msg.get("id"), msg.get("role"), msg.get("salt")
-    if not isinstance(cid, str) or len(cid) > 64 or role not in ("hit", "reference"):
+    if not isinstance(cid, str) or len(cid) > 256 or role not in ("hit", "reference"):
         raise WireError("capture id or role is malformed")
     if salt is not None and (not isinstance(salt, str) or len(salt) > 4096):
         raise WireError("capture salt is not a short string")
