@@ -16,6 +16,7 @@ from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
+from sidecar.health import monitor_health
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.server import SidecarServer
 from sidecar.signals import THRESHOLDS
@@ -88,7 +89,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     if opts.otel == "console":
         from sidecar.otel import OtelExporter, console_exporter
         otel = OtelExporter(monitor.metrics.registry, console_exporter()).start()
-    server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port).start()
+    server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port,
+                           health=lambda: monitor_health(monitor)).start()
     if opts.progress:
         print(f"kv-sidecar demo: fault={opts.fault} dtype={opts.dtype} "
               f"requests={opts.requests} sample 1/{opts.sample_every}; "

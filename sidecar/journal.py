@@ -23,12 +23,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar.allocator import LifecycleLog, LifecycleOp
 from sidecar.checks.keys import tokens_hash
+from sidecar.hook_input import check_blocks, check_store
 from sidecar.protocol import StoredBlock
+from sidecar.signals import InputReject
 from sidecar.store_index import StoreIndex
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,12 @@ _STORE, _FREE, _LIFECYCLE = 0, 1, 2
 
 class CacheEventJournal:
     def __init__(self, index: StoreIndex, lifecycle: LifecycleLog,
-                 max_pending: int = 65_536, interval_s: float = 0.005) -> None:
+                 max_pending: int = 65_536, interval_s: float = 0.005,
+                 reject: Callable[[str, InputReject | None], bool] | None = None) -> None:
         self.index = index
+        # Full input checks (sidecar.hook_input) run here, off the engine's thread: a
+        # rejected event is counted under its hook and not applied.
+        self._reject = reject or (lambda hook, why: why is not None)
         self.lifecycle = lifecycle
         self.max_pending = max_pending
         self.interval_s = interval_s
@@ -99,11 +105,15 @@ class CacheEventJournal:
                 try:
                     if ev[0] == _STORE:
                         block: StoredBlock = ev[1]
+                        if self._reject("on_store", check_store(block)):
+                            continue
                         index.record(block, ev[2])
                         lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
                                          (block.block_id,), (block.generation,),
                                          block.prefix_tokens + len(block.tokens), at=ev[3])
                     elif ev[0] == _FREE:
+                        if self._reject("on_free", check_blocks(ev[1], ev[2])):
+                            continue
                         index.forget(ev[1], ev[2])
                         lifecycle.record(LifecycleOp.EVICT, ev[1], None, ev[2], at=ev[3])
                     else:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from sidecar import hook_input as HI
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp
 from sidecar.calibration import Calibration, calibration_config
@@ -150,7 +151,9 @@ class Monitor:
         self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
                                       burst=c.lifecycle_burst)
         # Store/free events leave the engine's thread as one append (sidecar.journal).
-        self.journal = CacheEventJournal(self.stored, self.lifecycle)
+        self.journal = CacheEventJournal(
+            self.stored, self.lifecycle,
+            reject=lambda hook, why: HI.reject(self.metrics, hook, why))
         self.lifecycle.before_read = self.journal.drain
         self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
                                                 LeakTrend(c.leak_window), self.info.engine,
@@ -198,19 +201,28 @@ class Monitor:
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
         self.verifier.calibration.publish(m, self.verifier.reference_kind)
+        HI.init_series(m)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
+            q, h = lookup.query_tokens, lookup.hit_tokens
+            # The counts checked in O(1) inline (sidecar.hook_input has the full rules and
+            # the reasons); the hit itself is checked only when it is sampled.
+            if (type(q) is not int or type(h) is not int or not 0 <= h <= q <= HI.MAX_TOKENS) \
+                    and HI.reject(self.metrics, "on_lookup", HI.check_lookup(lookup)):
+                return
             self._c_lookups.value += 1
-            self._c_query_tokens.value += lookup.query_tokens
-            if lookup.hit_tokens <= 0:
+            self._c_query_tokens.value += q
+            if h <= 0:
                 return
             self._c_hits.value += 1
-            self._c_hit_tokens.value += lookup.hit_tokens
+            self._c_hit_tokens.value += h
             hit = lookup.hit
             if hit is not None and self._should_sample(hit):
-                self._enqueue(hit, lookup.seq_id, lookup.hit_tokens)
+                if HI.reject(self.metrics, "on_lookup", HI.check_lookup(lookup)):
+                    return
+                self._enqueue(hit, lookup.seq_id, h)
         except Exception as exc:
             self._hook_failed("on_lookup", exc)
 
@@ -220,6 +232,8 @@ class Monitor:
         the same dispatch, with the blocks as the capture. Returns the verdict in inline
         dispatch mode. Never raises."""
         try:
+            if HI.reject(self.metrics, "on_captured", HI.check_lookup(lookup)):
+                return None
             self._c_lookups.value += 1
             self._c_query_tokens.value += lookup.query_tokens
             if lookup.hit_tokens <= 0 or lookup.hit is None:
@@ -245,6 +259,10 @@ class Monitor:
 
     def on_store(self, block: StoredBlock) -> None:
         try:
+            # Checked in O(1) here and fully where the journal applies it (sidecar.journal).
+            if len(block.tokens) > HI.MAX_BLOCK_TOKENS:
+                HI.reject(self.metrics, "on_store", HI.InputReject.ABSURD)
+                return
             self._journal_store(block)
             if self._sampler_store is not None:
                 self._sampler_store(block)
@@ -253,6 +271,9 @@ class Monitor:
 
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
+            if len(block_ids) > HI.MAX_TOKENS:
+                HI.reject(self.metrics, "on_free", HI.InputReject.ABSURD)
+                return
             self._journal_free(group_id, block_ids)
             if self._sampler_free is not None:
                 self._sampler_free(group_id, block_ids)
@@ -263,6 +284,8 @@ class Monitor:
                     generations: Sequence[int]) -> None:
         """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
         try:
+            if HI.reject(self.metrics, "on_allocate", HI.check_blocks(group_id, block_ids)):
+                return
             self.journal.lifecycle_event(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
                                   generations)
         except Exception as exc:
@@ -272,6 +295,8 @@ class Monitor:
         """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
         check, since a release is where premature and double frees happen."""
         try:
+            if HI.reject(self.metrics, "on_release", HI.check_blocks(group_id, block_ids)):
+                return
             self.journal.lifecycle_event(LifecycleOp.FREE, group_id, seq_id, block_ids)
             if self._sampler_release is not None:
                 self._sampler_release(group_id, seq_id, block_ids)
@@ -281,7 +306,11 @@ class Monitor:
 
     def on_request_done(self, latency_seconds: float) -> None:
         try:
-            self._h_latency.observe(latency_seconds)
+            x = latency_seconds
+            if (type(x) is not float or not 0.0 <= x <= HI.MAX_LATENCY_S) \
+                    and HI.reject(self.metrics, "on_request_done", HI.check_latency(x)):
+                return  # NaN fails the range test too
+            self._h_latency.observe(x)
             self.requests_done += 1
             self._latencies.append(latency_seconds)
             self._nudge()

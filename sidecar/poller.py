@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sidecar import hook_input as HI
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, PollTrigger
 from sidecar.guard import Guard
@@ -56,6 +57,10 @@ class AllocatorPoller:
         the leak trend (:mod:`sidecar.allocator`). Polls are serialised."""
         with self._lock:
             state = self._call("allocator", self.adapter.allocator)
+            # Garbage would be kept and then fail every scrape: refused and counted here.
+            if HI.reject_adapter_output(self.metrics, "allocator",
+                                        HI.check_allocator_state(state)):
+                state = None
             if state is not None:
                 self.metrics.allocator.update(state)
             tables: Sequence[BlockTableSnapshot] | None = None

@@ -134,7 +134,7 @@ KV_EVENTS = _s("kv_events_total", C,
                "(stored, removed, cleared).", ("type",))
 KV_EVENT_DECODE_ERRORS = _s("kv_event_decode_errors_total", C,
                             "Event-stream messages skipped as malformed, by reason "
-                            "(frames, payload, schema).", ("reason",))
+                            "(frames, payload, schema, handle).", ("reason",))
 KV_EVENT_GAPS = _s("kv_event_gaps_total", C,
                    "Sequence-number gaps seen on the KV event stream (dropped batches).")
 KV_EVENT_BATCHES_LOST = _s("kv_event_batches_lost_total", C,
@@ -167,11 +167,16 @@ CAPACITY_WAITING = _s("capacity_waiting_requests", G,
 ENGINE_SCRAPE_ERRORS = _s("engine_scrape_errors_total", C,
                           "Failed reads of the engine's own metrics endpoint.")
 
+KV_EVENT_INDEX_EVICTIONS = _s("kv_event_index_evictions_total", C,
+                              "Entries dropped (oldest first) from the bounded KV event index "
+                              "when it was full: removals that never arrived.")
+
 VLLM_SIGNALS: tuple[Signal, ...] = (
     KV_EVENTS, KV_EVENT_DECODE_ERRORS, KV_EVENT_GAPS, KV_EVENT_BATCHES_LOST,
     KV_EVENT_BATCHES_REPLAYED, KV_EVENT_HASHES_VERIFIED, KV_EVENT_HASH_MISMATCHES,
     KV_EVENT_HASH_UNVERIFIABLE, KV_EVENT_DUPLICATE_STORES, KV_EVENT_UNKNOWN_REMOVALS,
     KV_INDEXED_BLOCKS, CAPACITY_WAITING, ENGINE_SCRAPE_ERRORS,
+    KV_EVENT_INDEX_EVICTIONS,
 )
 ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
 # --- end of the vLLM adapter's block.
@@ -419,3 +424,22 @@ def markdown_table() -> str:
         labels = ", ".join(BASE_LABELS + s.labels)
         rows.append(f"| `{s.name}` | {s.type.value} | {labels} | {s.help} |")
     return "\n".join(rows)
+
+
+# --- Hook-input validation (sidecar/hook_input.py): a bad value an engine hands a hook is
+# counted here and dropped, never applied. Labels: hook (the six hooks), reason (InputReject).
+class InputReject(enum.StrEnum):
+    """The value of the ``reason`` label of :data:`HOOK_INPUT_REJECTED`."""
+
+    TYPE = "type"  # not the documented type (None, bool, float count, wrong object)
+    NAN = "nan"
+    NEGATIVE = "negative"
+    ABSURD = "absurd"  # past any real workload (a 400M-token hit, a day-long request)
+    INCONSISTENT = "inconsistent"  # e.g. more tokens hit than looked up
+
+
+HOOK_INPUT_REJECTED = _s("hook_input_rejected_total", C,
+                         "Hook calls dropped because their input was invalid (None, NaN, "
+                         "negative, absurd, inconsistent), by hook and reason.",
+                         ("hook", "reason"))
+ALL_SIGNALS = (*ALL_SIGNALS, HOOK_INPUT_REJECTED)

@@ -164,10 +164,14 @@ class Verifier:
         to_read = undecided if self.reread else [r for r in undecided if r not in served]
         cached = self._call("read", self.adapter.read, verdict, hit, to_read,
                             sum(1 for r in to_read if r not in served)) if to_read else []
+        asked = set(to_read)
+        got: set[BlockRef] = set()
         for block in cached or []:
             ref = block.ref
-            if ref in condemned or ref not in to_read:  # not asked for: ignored
+            if ref not in asked or ref in got:  # never asked for (or twice): not evidence
+                verdict.adapter_errors.append(("read", "unexpected_block"))
                 continue
+            got.add(ref)
             if self._moved(sample, ref, block):  # legitimately reused since the match
                 _drop(verdict, DropReason.REUSED_AFTER_SERVING if ref in served
                       else DropReason.EVICTED_BEFORE_READ)
@@ -193,6 +197,10 @@ class Verifier:
             else:
                 passed.append(block)
 
+        if cached is not None and len(got) < len(asked):  # asked for, never returned
+            verdict.adapter_errors.append(("read", "missing_block"))
+            if any(r not in got and r not in captured for r in asked):  # nothing to judge
+                _drop(verdict, DropReason.ADAPTER_ERROR)
         verdict.verified.extend(r for r in refs if r in condemned)
         if not passed:
             return
@@ -221,6 +229,8 @@ class Verifier:
         if reference is None:
             return
         by_ref = {r.ref: r for r in reference}
+        if any(ref not in {b.ref for b in blocks} for ref in by_ref):
+            verdict.adapter_errors.append(("recompute", "unexpected_block"))
         kind = self.reference_kind
         cal = self.calibration
         for block in blocks:
@@ -249,14 +259,18 @@ class Verifier:
               at_stake: int) -> list[BlockKV] | None:
         """A guarded adapter call; on failure, ``at_stake`` undecided blocks are dropped."""
         try:
-            return list(self.guard.call(op, fn, hit, refs))
+            out = self.guard.call(op, fn, hit, refs)
+            blocks = [b for b in out if isinstance(b, BlockKV) and isinstance(b.ref, BlockRef)]
+            if len(blocks) != len(out):  # garbage from the adapter: skipped and counted
+                verdict.adapter_errors.append((op, "garbage"))
+            return blocks
         except AdapterTimeout:
             verdict.adapter_errors.append((op, "timeout"))
             _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
         except AdapterRefused:
             verdict.adapter_errors.append((op, "refused"))
             _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
-        except Exception as exc:  # an adapter bug is counted and logged, never fatal
+        except Exception as exc:  # an adapter bug (AdapterExit too) is counted, never fatal
             log.warning("adapter %s failed: %s: %s", op, type(exc).__name__, exc)
             verdict.adapter_errors.append((op, "error"))
             _drop(verdict, DropReason.ADAPTER_ERROR, at_stake)
@@ -274,5 +288,8 @@ def _same_bytes(a: BlockKV, b: BlockKV) -> bool:
 
 
 def _drop(verdict: Verdict, reason: DropReason, n: int = 1) -> None:
+    """Record that ``n`` blocks of this sample could not be decided for ``reason``. The
+    drop counter counts *samples* (one per reason per sample, however many blocks), so
+    ``samples_dropped_total / sampled_total`` is a ratio of like with like."""
     if n > 0:
-        verdict.dropped[reason] = verdict.dropped.get(reason, 0) + n
+        verdict.dropped[reason] = 1

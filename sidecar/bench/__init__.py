@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its benchmarks on the CLI's subparsers."""
     from sidecar.bench.args import add_arguments
 
-    b = sub.add_parser("bench", help="benchmarks (detection, perf)",
+    b = sub.add_parser("bench", help="benchmarks (detection, perf, reliability)",
                        description="Benchmarks that print a table (or JSON with --json).")
     bench_sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
     d = bench_sub.add_parser(
@@ -34,6 +34,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "prefill, and hook tail latency while the verifier is busy. One table "
                     "(or --json); every figure measured side by side in one run.")
     add_perf_arguments(pf)
+    from sidecar.bench import reliability
+
+    r = bench_sub.add_parser(
+        "reliability", help="fuzzers, floods, adapter faults, SIGKILL cycles (issue 12)",
+        description="Seeded mutation fuzzers (KV events, probe wire, hook objects, HTTP), "
+                    "floods, adapter faults and SIGKILL/restart cycles of evidence writing; "
+                    "prints cases, survived, escaped and lost (must be 0).")
+    reliability.add_arguments(r)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -46,5 +54,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from sidecar.bench.perf import run as run_perf
 
         return run_perf(args)
-    print("usage: kv-sidecar bench detection|perf [--json] ...", file=sys.stderr)
+    if getattr(args, "bench", None) == "reliability":
+        from sidecar.bench.reliability import run as run_reliability
+
+        return run_reliability(args)
+    print("usage: kv-sidecar bench detection|perf|reliability [--json] ...", file=sys.stderr)
     return 2

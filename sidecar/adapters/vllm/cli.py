@@ -54,7 +54,10 @@ def _serve(a: argparse.Namespace) -> int:
                               recompute_tokens_per_s=a.recompute_budget,
                               **tolerance.config_fields(a)))
     sc = VllmSidecar(cfg).start()
-    server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port).start()
+    from sidecar.server import load_token
+
+    server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
+                           health=sc.health, token=load_token()).start()
     print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -13,7 +13,10 @@ trailing defaults omitted) whose events are maps tagged by ``"type"``:
 
 Anything that does not fit is a :class:`EventDecodeError` with a bounded ``reason`` (frames,
 payload, schema) that the caller counts and logs; it is never fatal. Fields vLLM may add in
-later versions are ignored, fields we rely on are type-checked.
+later versions are ignored, fields we rely on are type-checked. A peer cannot make decoding
+expensive: a payload over :data:`MAX_PAYLOAD_BYTES` is refused before msgpack sees it, and
+extra keys (the one free-form field we keep) may nest at most :data:`MAX_EXTRA_KEY_DEPTH`
+deep, so nothing downstream (hashing, logging, repr) can recurse without bound.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import msgpack
 from sidecar.adapters.vllm.hashing import ExternalHash
 
 END_SEQ = -1  # the replay socket's end-of-stream marker (signed)
+# One engine step stores at most max_num_batched_tokens tokens: a 128k-token prefill is
+# ~1 MB of msgpack. 8 MiB leaves room for big batches and refuses a memory bomb.
+MAX_PAYLOAD_BYTES = 8 * 2**20
+MAX_EXTRA_KEY_DEPTH = 3  # extra_keys -> one block's keys -> an item (a [hash, offset] pair)
 
 
 class EventDecodeError(ValueError):
@@ -37,7 +44,8 @@ class EventDecodeError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
+# slots, not frozen: a frozen dataclass's __init__ costs ~1 us per event on the ingest path.
+@dataclass(slots=True)
 class BlockStored:
     block_hashes: tuple[ExternalHash, ...]
     parent_block_hash: ExternalHash | None
@@ -53,7 +61,7 @@ class BlockStored:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockRemoved:
     block_hashes: tuple[ExternalHash, ...]
     medium: str | None
@@ -86,11 +94,16 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
     return decode_payload(int.from_bytes(seq_bytes, "big"), payload)
 
 
-def decode_payload(seq: int, payload: bytes) -> EventBatch:
+def decode_payload(seq: int, payload: bytes,
+                   max_bytes: int = MAX_PAYLOAD_BYTES) -> EventBatch:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise EventDecodeError("payload", "payload frame is not bytes")
+    if len(payload) > max_bytes:
+        raise EventDecodeError("payload", f"{len(payload)} bytes is over the {max_bytes} cap")
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise EventDecodeError("payload", f"not msgpack: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # msgpack raises several unrelated types (RecursionError too)
+        raise EventDecodeError("payload", f"not msgpack: {type(exc).__name__}") from exc
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise EventDecodeError("schema", "batch is not an array [ts, events, dp_rank?]")
     ts, events = raw[0], raw[1]
@@ -113,7 +126,7 @@ def _decode_event(raw: Any) -> KVEvent:
                             _group(raw))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise EventDecodeError("schema", f"unknown event type {kind!r}")
+    raise EventDecodeError("schema", f"unknown event type {_short(kind)}")
 
 
 def _decode_stored(raw: dict[str, Any]) -> BlockStored:
@@ -122,10 +135,11 @@ def _decode_stored(raw: dict[str, Any]) -> BlockStored:
     if parent is _MISSING or not (parent is None or _is_hash(parent)):
         raise EventDecodeError("schema", "BlockStored.parent_block_hash missing or not a hash")
     tokens = raw.get("token_ids")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    # set(map(type, ...)) runs in C: the per-token check is the decoder's hottest line
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= _INT_ONLY:
         raise EventDecodeError("schema", "BlockStored.token_ids is not an int array")
     block_size = raw.get("block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+    if type(block_size) is not int or block_size <= 0:
         raise EventDecodeError("schema", "BlockStored.block_size is not a positive int")
     if len(tokens) != len(hashes) * block_size:
         raise EventDecodeError("schema", f"{len(tokens)} token ids for {len(hashes)} blocks "
@@ -133,15 +147,38 @@ def _decode_stored(raw: dict[str, Any]) -> BlockStored:
     extra = raw.get("extra_keys")
     if extra is not None:
         if not isinstance(extra, list) or len(extra) != len(hashes) or \
-                not all(k is None or isinstance(k, list) for k in extra):
-            raise EventDecodeError("schema", "BlockStored.extra_keys is not one entry per block")
+                not all(k is None or (isinstance(k, list) and _shallow(k)) for k in extra):
+            raise EventDecodeError("schema", "BlockStored.extra_keys is not one shallow entry "
+                                             "per block")
         extra = tuple(extra)
-    return BlockStored(hashes, parent, tuple(tokens), block_size, _opt_str(raw, "medium"),
-                       _opt_str(raw, "lora_name"), extra, _group(raw),
-                       _opt_str(raw, "kv_cache_spec_kind"))
+    medium, lora, kind = raw.get("medium"), raw.get("lora_name"), raw.get("kv_cache_spec_kind")
+    if not (_opt_str_ok(medium) and _opt_str_ok(lora) and _opt_str_ok(kind)):
+        raise EventDecodeError("schema", "medium, lora_name or kv_cache_spec_kind is not a "
+                                         "string")
+    return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora, extra,
+                       _group(raw), kind)
 
 
 _MISSING = object()
+_SCALARS = (str, bytes, int, float, type(None))
+_INT_ONLY = frozenset({int})
+_HASH_TYPES = frozenset({int, bytes})
+
+
+def _shallow(keys: list[Any]) -> bool:
+    """One block's extra keys: scalars, or lists of scalars (multimodal [hash, offset])."""
+    for item in keys:
+        if isinstance(item, list):
+            if not all(isinstance(x, _SCALARS) for x in item):
+                return False
+        elif not isinstance(item, _SCALARS):
+            return False
+    return True
+
+
+def _short(v: Any) -> str:
+    """A bounded description of a peer's value (repr of a deep list would recurse)."""
+    return repr(v)[:60] if isinstance(v, (str, int, float, type(None))) else type(v).__name__
 
 
 def _is_int(v: Any) -> bool:
@@ -158,9 +195,17 @@ def _is_hash(v: Any) -> bool:
 
 def _hashes(raw: dict[str, Any], key: str) -> tuple[ExternalHash, ...]:
     v = raw.get(key)
-    if not isinstance(v, list) or not v or not all(_is_hash(h) for h in v):
-        raise EventDecodeError("schema", f"{key} is not a non-empty array of hashes")
-    return tuple(v)
+    if isinstance(v, list) and v:
+        types = set(map(type, v))
+        if types == _INT_ONLY and min(v) >= 0:
+            return tuple(v)
+        if types <= _HASH_TYPES and all(_is_hash(h) for h in v):
+            return tuple(v)
+    raise EventDecodeError("schema", f"{key} is not a non-empty array of hashes")
+
+
+def _opt_str_ok(v: Any) -> bool:
+    return v is None or type(v) is str
 
 
 def _opt_str(raw: dict[str, Any], key: str) -> str | None:
@@ -174,7 +219,7 @@ def _group(raw: dict[str, Any]) -> int:
     v = raw.get("group_idx")
     if v is None:
         return 0  # single-group engines and older vLLMs omit it
-    if not _is_int(v) or v < 0:
+    if type(v) is not int or v < 0:
         raise EventDecodeError("schema", "group_idx is not a non-negative int")
     return int(v)
 

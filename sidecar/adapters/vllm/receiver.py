@@ -4,25 +4,38 @@ It turns probe messages into calls: ``lookups`` and sampled ``capture`` messages
 ``on_lookup``-style callbacks (the caller forwards them to the Monitor), reference captures
 into the result of the engine-side recompute that asked for them (:meth:`expect`), and the
 ``hello`` into a check that the engine is the one the sidecar was configured for.
+
+The socket is an ingest surface, so it is locked down: only ``ipc://`` paths (created 0600,
+owner only, and only under :data:`IPC_DIRS` unless told otherwise) or ``tcp://127.0.0.1``
+are accepted. What a peer claims is clamped: the ``dropped`` count of a pipe may only grow
+by :data:`MAX_DROP_STEP` per message, at most :data:`MAX_SOURCES` pipes are tracked, and
+lookups per message are capped, so one message cannot add 9.2e18 to a counter or mint
+unbounded state.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
 from sidecar import signals as S
-from sidecar.adapters.vllm.wire import Capture, decode_capture, unpack
+from sidecar.adapters.vllm.endpoints import IPC_DIRS, check_endpoint
+from sidecar.adapters.vllm.wire import Capture, WireError, decode_capture, unpack
 from sidecar.metrics import Metrics
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
+
+MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
+MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
+MAX_LOOKUPS = 65_536  # lookups in one message (one engine step)
 
 
 class ProbeReceiver:
@@ -32,7 +45,13 @@ class ProbeReceiver:
                  on_lookups: Callable[[list[tuple[int, int]]], None],
                  on_capture: Callable[[Capture], None],
                  on_hello: Callable[[dict[str, Any]], None] | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None,
+                 ipc_dirs: tuple[str, ...] | None = None,
+                 groups: Iterable[int] | None = None) -> None:
+        check_endpoint(endpoint, IPC_DIRS if ipc_dirs is None else ipc_dirs)
+        # Cache groups the engine has (describe()): a capture naming another is refused,
+        # so a sender cannot choose the group label of what gets verified.
+        self.groups = frozenset(groups) if groups is not None else None
         self.endpoint = endpoint
         self.metrics = metrics
         self.on_lookups = on_lookups
@@ -81,8 +100,14 @@ class ProbeReceiver:
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError as exc:
+            old = os.umask(0o177)  # the ipc socket file is created 0600: owner only
+            try:
+                sock.bind(self.endpoint)
+            finally:
+                os.umask(old)
+            if self.endpoint.startswith("ipc://"):
+                os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
+        except (zmq.ZMQError, OSError) as exc:
             self._error = exc
             self._bound.set()
             sock.close(0)
@@ -95,6 +120,11 @@ class ProbeReceiver:
         finally:
             sock.close(0)
 
+    @property
+    def alive(self) -> bool:
+        """The draining thread is running (``/healthz`` reports it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def handle(self, data: bytes) -> None:
         """Dispatch one message; a bad one is counted and logged, never raised."""
         self.last_message_at = time.monotonic()
@@ -103,7 +133,7 @@ class ProbeReceiver:
             self._account_drops(msg)
             kind = msg["kind"]
             if kind == "lookups":
-                self.on_lookups([(int(q), int(h)) for q, h in msg.get("items", [])])
+                self.on_lookups(_lookups(msg.get("items", [])))
             elif kind == "capture":
                 self._capture(decode_capture(msg))
             elif kind == "hello":
@@ -120,6 +150,9 @@ class ProbeReceiver:
                         type(exc).__name__, exc)
 
     def _capture(self, cap: Capture) -> None:
+        if self.groups is not None and not (set(cap.blocks) <= self.groups and
+                                            all(g in self.groups for g, _ in cap.kv)):
+            raise WireError("capture names a cache group the engine does not have")
         if cap.role == "reference":
             with self._lock:
                 fut = self._waiting.pop(cap.salt or "", None)
@@ -129,9 +162,29 @@ class ProbeReceiver:
         self.on_capture(cap)
 
     def _account_drops(self, msg: dict[str, Any]) -> None:
-        src, dropped = str(msg.get("src", "")), int(msg.get("dropped", 0))
-        before = self._dropped.get(src, 0)
+        src, dropped = msg.get("src", ""), msg.get("dropped", 0)
+        if not isinstance(src, str) or len(src) > 64 or type(dropped) is not int or dropped < 0:
+            raise WireError("src or dropped is malformed")
+        before = self._dropped.get(src)
+        if before is None:
+            if len(self._dropped) >= MAX_SOURCES:
+                return  # unknown extra pipe: its claims are not counted
+            before = 0
         if dropped > before:
-            self.metrics.inc(S.SAMPLES_DROPPED, dropped - before,
-                             reason=DropReason.QUEUE_FULL.value)
-        self._dropped[src] = max(before, dropped)
+            step = min(dropped - before, MAX_DROP_STEP)
+            self.metrics.inc(S.SAMPLES_DROPPED, step, reason=DropReason.QUEUE_FULL.value)
+            self._dropped[src] = before + step
+        else:
+            self._dropped[src] = before
+
+
+def _lookups(items: Any) -> list[tuple[int, int]]:
+    if not isinstance(items, list) or len(items) > MAX_LOOKUPS:
+        raise WireError("lookups is not a bounded list")
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int or \
+                type(item[1]) is not int:
+            raise WireError("a lookup is not [query_tokens, hit_tokens]")
+        out.append((item[0], item[1]))
+    return out

@@ -94,9 +94,11 @@ class VllmSidecar:
         self.receiver: ProbeReceiver | None = None
         if cfg.probe_endpoint:
             self.receiver = ProbeReceiver(cfg.probe_endpoint, self.metrics, self._on_lookups,
-                                          self._on_capture, self._on_hello)
+                                          self._on_capture, self._on_hello,
+                                          groups=[g.group_id for g in info.groups])
         self.adapter.reference = self._make_reference(cfg, submit)
-        self.auditor = EventAuditor(self.metrics, cfg.hash_algo, cfg.hash_seed)
+        self.auditor = EventAuditor(self.metrics, cfg.hash_algo, cfg.hash_seed,
+                                    groups=[g.group_id for g in info.groups])
         self.subscriber = (EventSubscriber(self.auditor, cfg.events_endpoint,
                                            cfg.replay_endpoint, bind=cfg.events_bind)
                            if cfg.events_endpoint else None)
@@ -178,6 +180,18 @@ class VllmSidecar:
         """Verify the samples captured so far, on the calling thread (deferred mode)."""
         self.quiesce()
         return self.monitor.verify_pending()
+
+    def health(self) -> dict[str, Any]:
+        """``/healthz``: verifier, probe receiver, event subscriber and poller alive."""
+        from sidecar.health import monitor_health
+
+        parts: dict[str, Callable[[], bool]] = {}
+        if self.receiver is not None:
+            parts["probe_receiver_thread"] = lambda: bool(self.receiver and self.receiver.alive)
+        if self.subscriber is not None:
+            parts["event_subscriber_thread"] = lambda: bool(
+                self.subscriber and self.subscriber.alive)
+        return monitor_health(self.monitor, parts, verifier=not self.cfg.deferred)
 
     def summary(self) -> dict[str, Any]:
         out = self.monitor.summary()

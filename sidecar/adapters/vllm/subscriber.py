@@ -16,6 +16,7 @@ one (``bind=True``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import zmq
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.audit import EventAuditor
+from sidecar.adapters.vllm.endpoints import check_endpoint
 from sidecar.adapters.vllm.events import EventBatch, EventDecodeError, decode_message
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class EventSubscriber:
     def __init__(self, auditor: EventAuditor, endpoint: str,
                  replay_endpoint: str | None = None, topic: str = "", bind: bool = False,
                  replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
+        if bind:  # a bound ingest socket: loopback or an owner-only ipc path (receiver.py)
+            check_endpoint(endpoint)
         self.auditor = auditor
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -71,21 +75,38 @@ class EventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
             if self.bind:
-                sub.bind(self.endpoint)
+                old = os.umask(0o177)  # an ipc socket file is created 0600
+                try:
+                    sub.bind(self.endpoint)
+                finally:
+                    os.umask(old)
             else:
                 sub.connect(self.endpoint)
             self._ready.set()
             while not self._stop.is_set():
                 if not sub.poll(100):
                     continue
-                self.handle(sub.recv_multipart())
-        except Exception:  # the stream is an observation: log, never take the sidecar down
+                self.handle_safely(sub.recv_multipart())
+        except Exception:  # socket errors only: handle_safely() never raises
             log.exception("KV event subscriber stopped unexpectedly")
         finally:
             self._ready.set()
             sub.close(0)
 
+    @property
+    def alive(self) -> bool:
+        """The consuming thread is running (``/healthz`` reports it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # ------------------------------------------------------------------ one message
+    def handle_safely(self, frames: Sequence[bytes]) -> None:
+        """:meth:`handle`, but no peer input can end the loop: whatever escapes the decoder
+        or the auditor is counted as a ``handle`` decode error and logged (rate-limited)."""
+        try:
+            self.handle(frames)
+        except Exception as exc:
+            self._decode_failed(EventDecodeError("handle", f"{type(exc).__name__}"))
+
     def handle(self, frames: Sequence[bytes]) -> None:
         """Decode, track sequence numbers (replaying gaps), and apply one message."""
         try:
@@ -120,9 +141,11 @@ class EventSubscriber:
 
     def _decode_failed(self, exc: EventDecodeError) -> None:
         self.auditor.decode_error(exc.reason)
-        if self._errors_logged < 5:
-            self._errors_logged += 1
-            log.warning("malformed KV event message skipped (counted): %s", exc)
+        self._errors_logged += 1
+        # The first few, then one in 1000: a hostile stream must not flood the log.
+        if self._errors_logged <= 5 or self._errors_logged % 1000 == 0:
+            log.warning("malformed KV event message skipped (counted, #%d): %s",
+                        self._errors_logged, exc)
 
     # ------------------------------------------------------------------ replay
     def _replay(self, start: int, stop: int) -> int:

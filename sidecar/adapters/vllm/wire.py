@@ -20,6 +20,7 @@ that pipe has dropped so far), so the sidecar can count what was lost on the way
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,21 @@ from sidecar.protocol import BlockKV, BlockRef
 PROTOCOL_VERSION = 1
 REFERENCE_SALT_PREFIX = "kvsidecar-ref:"
 
+# What a peer may send. The dtype is looked up in this allow-list, never with getattr(torch,
+# ...): a quantized or exotic dtype name (``qint8``) makes torch.frombuffer crash the process.
+ALLOWED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "int8": torch.int8, "uint8": torch.uint8,
+}
+MAX_MESSAGE_BYTES = 256 * 2**20  # one capture of a few blocks is a few MB at most
+MAX_DIMS = 8
+MAX_ITEMS = 1_000_000  # lookups per message, tokens per capture, blocks per group
+
+
+class WireError(ValueError):
+    """A probe message that does not fit the protocol; counted and skipped, never fatal."""
+
 
 def pack(kind: str, src: str = "", dropped: int = 0, **fields: Any) -> bytes:
     """``src`` names the sending pipe (each probe half has its own); ``dropped`` is how many
@@ -41,9 +57,16 @@ def pack(kind: str, src: str = "", dropped: int = 0, **fields: Any) -> bytes:
 
 
 def unpack(data: bytes) -> dict[str, Any]:
-    msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION or "kind" not in msg:
-        raise ValueError(f"not a kv-sidecar probe message (protocol {PROTOCOL_VERSION})")
+    """Decode one message; anything malformed (size, nesting, msgpack) is a WireError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > MAX_MESSAGE_BYTES:
+        raise WireError("probe message is not bytes or larger than the size cap")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types (RecursionError too)
+        raise WireError(f"not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION or \
+            not isinstance(msg.get("kind"), str):
+        raise WireError(f"not a kv-sidecar probe message (protocol {PROTOCOL_VERSION})")
     return msg
 
 
@@ -53,8 +76,37 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_from(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    dt = getattr(torch, dtype)
+    """Rebuild a tensor from a peer's bytes. Dtype, shape and byte length are all checked
+    before torch sees anything (see :data:`ALLOWED_DTYPES`)."""
+    dt = ALLOWED_DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if dt is None:
+        raise WireError(f"dtype {str(dtype)[:40]!r} is not one of {sorted(ALLOWED_DTYPES)}")
+    if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= MAX_DIMS or \
+            not all(_is_int(d) and 0 <= d <= MAX_MESSAGE_BYTES for d in shape):
+        raise WireError("shape is not a short list of non-negative ints")
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("tensor data is not bytes")
+    expected = math.prod(shape) * dt.itemsize
+    if len(data) != expected:
+        raise WireError(f"{len(data)} bytes for shape {list(shape)} of {dtype} "
+                        f"(needs {expected})")
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(tuple(shape))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v: Any, what: str) -> list[int]:
+    if not isinstance(v, list) or len(v) > MAX_ITEMS or not all(_is_int(x) for x in v):
+        raise WireError(f"{what} is not a list of ints")
+    return v
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    if not _is_int(v) or not lo <= v <= hi:
+        raise WireError(f"{what} is not an int in [{lo}, {hi}]")
+    return int(v)
 
 
 def reference_salt(capture_id: str, indices: Sequence[int]) -> str:
@@ -106,9 +158,27 @@ def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequenc
 
 
 def decode_capture(msg: dict[str, Any]) -> Capture:
+    """A ``capture`` message, every field type-checked; a bad one is a :class:`WireError`."""
+    cid, role, salt = msg.get("id"), msg.get("role"), msg.get("salt")
+    if not isinstance(cid, str) or len(cid) > 256 or role not in ("hit", "reference"):
+        raise WireError("capture id or role is malformed")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > 4096):
+        raise WireError("capture salt is not a short string")
+    tokens = _int_list(msg.get("tokens"), "tokens")
+    blocks_raw = msg.get("blocks")
+    if not isinstance(blocks_raw, dict) or len(blocks_raw) > 64:
+        raise WireError("blocks is not a small map group -> block ids")
+    blocks = {_int(g, "group", 0, 1023): list(_int_list(ids, "block ids"))
+              for g, ids in blocks_raw.items()}
+    kv_raw = msg.get("kv")
+    if not isinstance(kv_raw, list) or len(kv_raw) > 1024:
+        raise WireError("kv is not a list of blocks")
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for g, i, _b, dtype, shape, kb, vb in msg["kv"]:
-        kv[(int(g), int(i))] = (tensor_from(kb, dtype, shape), tensor_from(vb, dtype, shape))
-    return Capture(str(msg["id"]), str(msg["role"]), msg.get("salt"),
-                   tuple(msg["tokens"]), int(msg["query_tokens"]), int(msg["hit_tokens"]),
-                   {int(g): list(ids) for g, ids in msg["blocks"].items()}, kv)
+    for entry in kv_raw:
+        if not isinstance(entry, list) or len(entry) != 7:
+            raise WireError("kv entry is not [group, index, block, dtype, shape, K, V]")
+        g, i, _b, dtype, shape, kb, vb = entry
+        kv[(_int(g, "group", 0, 1023), _int(i, "block index"))] = (
+            tensor_from(kb, dtype, shape), tensor_from(vb, dtype, shape))
+    return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
+                   _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv)
