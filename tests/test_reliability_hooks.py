@@ -142,7 +142,7 @@ def test_base_exception_from_adapter_does_not_kill_the_verifier(exc) -> None:
         del adapter.fail["read"]
         engine.serve(PROMPT + [2])
         assert mon.drain(5)
-        assert mon._worker is not None and mon._worker.is_alive()
+        assert mon.dispatcher.alive
         assert mon.summary()["verified"] == 2
         assert monitor_health(mon)["ok"]
     finally:

@@ -34,14 +34,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "prefill, and hook tail latency while the verifier is busy. One table "
                     "(or --json); every figure measured side by side in one run.")
     add_perf_arguments(pf)
-    from sidecar.bench import reliability
-
     r = bench_sub.add_parser(
         "reliability", help="fuzzers, floods, adapter faults, SIGKILL cycles (issue 12)",
         description="Seeded mutation fuzzers (KV events, probe wire, hook objects, HTTP), "
                     "floods, adapter faults and SIGKILL/restart cycles of evidence writing; "
                     "prints cases, survived, escaped and lost (must be 0).")
-    reliability.add_arguments(r)
+    # Arguments here, not in the module: building the parser must not import the fuzzers'
+    # decoders (msgpack, an extra) for `kv-sidecar --help`.
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--quick", action="store_true",
+                   help="1k cases per decoder, 3 kill cycles (seconds; the test suite's run)")
+    r.add_argument("--seed", type=int, default=0)
 
 
 def run_bench(args: argparse.Namespace) -> int:

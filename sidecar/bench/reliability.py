@@ -252,13 +252,6 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"({out['seconds']:.1f} s)")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quick", action="store_true",
-                   help="1k cases per decoder, 3 kill cycles (seconds; the test suite's run)")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def run(args: argparse.Namespace) -> int:
     import logging
 
