@@ -135,13 +135,21 @@ class Metrics:
                  extra_signals: Iterable[Signal] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.base = {"engine": engine, "model": model}
-        signals = [s for s in (*S.ALL_SIGNALS, *extra_signals) if s.name not in COLLECTED]
-        self.instruments = Instruments(signals, self.base)
+        self.instruments = Instruments((), self.base)
+        self.register((*S.core_signals(), *extra_signals))
         self.registry.register(InstrumentsCollector(self.instruments))
         self.allocator = AllocatorCollector(dict(self.base))
         self.registry.register(self.allocator)
         self._invalid_logged: set[str] = set()
         self.gauge(S.BUILD_INFO, version=__version__).set(1)
+
+    def register(self, signals: Iterable[Signal]) -> None:
+        """Add signals to this sidecar's registry (idempotent): the core's at start, an
+        adapter's own (``signals.ADAPTER_SIGNALS``) when the adapter attaches."""
+        fams = self.instruments.families
+        for sig in signals:
+            if sig.name not in COLLECTED and sig.name not in fams:
+                fams[sig.name] = Family(sig)
 
     def cell(self, sig: Signal, **labels: str) -> Any:
         """The series itself (a :class:`Cell` or :class:`Hist`), for hot paths that update

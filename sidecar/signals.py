@@ -409,6 +409,18 @@ class Thresholds:
 THRESHOLDS = Thresholds()
 
 
+# Signals an adapter owns and registers itself (``Metrics.register``) where it runs: a
+# sidecar beside the reference engine exports none of vLLM's, the canary's or LMCache's.
+ADAPTER_SIGNALS: dict[str, tuple[Signal, ...]] = {
+    "vllm": VLLM_SIGNALS, "canary": CANARY_SIGNALS, "lmcache": LMCACHE_SIGNALS}
+
+
+def core_signals() -> tuple[Signal, ...]:
+    """Every engine-agnostic signal: what any sidecar exports."""
+    owned = {s.name for group in ADAPTER_SIGNALS.values() for s in group}
+    return tuple(s for s in ALL_SIGNALS if s.name not in owned)
+
+
 def by_name(name: str) -> Signal:
     """Look a signal up by its exposition name; a clear error for an unknown one."""
     for s in ALL_SIGNALS:

@@ -214,3 +214,19 @@ def test_guarded_adapter_code_is_counted_never_raised():
     assert calls == [3, -1, -2]
     assert mon.metrics.value(S.HOOK_ERRORS.name, hook="toy_translate") == 2
     assert mon.metrics.value(S.HOOK_ERRORS.name, hook="on_store") == 0  # created at start
+
+
+def test_an_adapter_registers_its_own_signals():
+    """The core's signals are engine-agnostic; the vLLM adapter's appear only on a sidecar
+    where a vLLM component attached them (here: the metrics bridge)."""
+    from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge
+    from sidecar.metrics import Metrics
+
+    m = Metrics("vllm", "m")
+    assert S.KV_EVENTS.name not in m.instruments.families
+    with pytest.raises(KeyError, match="not registered"):
+        m.inc(S.ENGINE_SCRAPE_ERRORS)
+    VllmMetricsBridge(m, lambda: "", block_size=16)
+    m.inc(S.ENGINE_SCRAPE_ERRORS)
+    assert m.value(S.ENGINE_SCRAPE_ERRORS.name) == 1
+    assert {s.name for s in S.VLLM_SIGNALS} <= set(m.instruments.families)

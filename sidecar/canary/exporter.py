@@ -26,6 +26,7 @@ GROUP = "0"  # a black box shows no cache groups: one logical group
 class CanaryExporter:
     def __init__(self, model: str, metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics(ENGINE, model)
+        self.metrics.register(S.CANARY_SIGNALS)  # the canary's own signals
 
     def request(self, role: str, c: Completion) -> None:
         m = self.metrics

@@ -25,7 +25,7 @@ class LMCacheMonitor(Monitor):
     def __init__(self, adapter: LMCacheAdapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None,
                  sampler: Sampler | None = None) -> None:
-        super().__init__(adapter, config, registry, sampler)
+        super().__init__(adapter, config, registry, sampler, extra_signals=S.LMCACHE_SIGNALS)
         m = self.metrics
         for tier in LMCacheTier:
             m.inc(S.LMCACHE_VERIFIED_CHUNKS, 0, tier=tier.value)

@@ -80,6 +80,7 @@ class EventAuditor:
                  groups: Iterable[int] | None = None,
                  media: Iterable[str] = KNOWN_MEDIA) -> None:
         self.metrics = metrics
+        metrics.register(S.VLLM_SIGNALS)  # the vLLM adapter's own signals
         self.algo = algo
         self._fn = hash_function(algo)
         self._none_hash = none_hash(algo, hash_seed)

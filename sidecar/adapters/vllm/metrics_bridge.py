@@ -122,6 +122,7 @@ class VllmMetricsBridge:
                  on_latency: Callable[[float], None] | None = None,
                  expect_hash_algo: str | None = None) -> None:
         self.metrics = metrics
+        metrics.register(S.VLLM_SIGNALS)  # the vLLM adapter's own signals
         self.source = source
         self.block_size = block_size
         self.lookups = lookups

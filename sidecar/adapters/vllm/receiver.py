@@ -54,6 +54,7 @@ class ProbeReceiver:
         self.groups = frozenset(groups) if groups is not None else None
         self.endpoint = endpoint
         self.metrics = metrics
+        metrics.register(S.VLLM_SIGNALS)  # the vLLM adapter's own signals
         self.on_lookups = on_lookups
         self.on_capture = on_capture
         self.on_hello = on_hello
