@@ -80,6 +80,13 @@ def hooks_rows(quick: bool, repeats: int, instructions: bool, raw: dict[str, Any
                         f"<= {target:g} ns" if target else "-",
                         hook["median"] <= target if target else None,
                         _fmt_spread(hook["min"], hook["max"])))
+    ot = H.time_otel(n, repeats)
+    on, off = H.summarize(ot["otel_on_ns"]), H.summarize(ot["otel_off_ns"])
+    raw["otel"] = {"calls": n, "otel_on_ns": on, "otel_off_ns": off}
+    rows.append(Row("on_lookup (hit, unsampled), OpenTelemetry push on vs off: ns/call",
+                    on["median"], off["median"], "ns", on["median"] / off["median"],
+                    "<= 1.2", on["median"] / off["median"] <= 1.2,
+                    _fmt_spread(on["min"], on["max"])))
     if instructions:
         ic = H.instruction_counts(200 if quick else 2000)
         raw["instructions"] = ic

@@ -175,6 +175,39 @@ def time_case(case: HookCase, n: int, repeats: int) -> dict[str, Any]:
     return {"hook_ns": hook_ns, "noop_ns": noop_ns}
 
 
+class _DiscardExporter:
+    """An OpenTelemetry exporter that drops what it is handed (the export's cost stays)."""
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kw: Any) -> Any:
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        return MetricExportResult.SUCCESS
+
+    def shutdown(self, timeout_millis: float = 30_000, **kw: Any) -> None:
+        return None
+
+
+def time_otel(n: int, repeats: int) -> dict[str, Any]:
+    """Unsampled on_lookup with OpenTelemetry push running (every 50 ms, on its own thread)
+    vs without, interleaved per repeat."""
+    from sidecar.otel import OtelExporter
+
+    case = CASES[0]
+    args = case.args(n)
+    on_ns: list[float] = []
+    off_ns: list[float] = []
+    for _ in range(repeats):
+        mon = monitor_for(case.sample_every, queue_size=n + 1)
+        gc.collect()
+        off_ns.append(_loop(case.call(mon), args) / n)
+        otel = OtelExporter(mon.metrics.registry, _DiscardExporter(),  # type: ignore[arg-type]
+                            interval_s=0.05).start()
+        on_ns.append(_loop(case.call(mon), args) / n)
+        otel.shutdown()
+        mon.stop()
+    return {"otel_on_ns": on_ns, "otel_off_ns": off_ns}
+
+
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
