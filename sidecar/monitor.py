@@ -149,13 +149,14 @@ class Monitor:
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
         self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
+        self._reject_cells: dict[tuple[str, HI.InputReject], Any] = {}
         self.requests_done = 0
         self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
                                       burst=c.lifecycle_burst)
         # Store/free events leave the engine's thread as one append (sidecar.journal).
         self.journal = CacheEventJournal(
             self.stored, self.lifecycle,
-            reject=lambda hook, why: HI.reject(self.metrics, hook, why))
+            reject=lambda hook, why: self._reject(hook, why))
         self.lifecycle.before_read = self.journal.drain
         self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
                                                 LeakTrend(c.leak_window), self.info.engine,
@@ -209,11 +210,14 @@ class Monitor:
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
+            if type(lookup) is not Lookup:  # None, a stranger: no exception to pay for
+                self._reject("on_lookup", HI.check_lookup(lookup))
+                return
             q, h = lookup.query_tokens, lookup.hit_tokens
             # The counts checked in O(1) inline (sidecar.hook_input has the full rules and
             # the reasons); the hit itself is checked only when it is sampled.
             if (type(q) is not int or type(h) is not int or not 0 <= h <= q <= HI.MAX_TOKENS) \
-                    and HI.reject(self.metrics, "on_lookup", HI.check_lookup(lookup)):
+                    and self._reject("on_lookup", HI.check_lookup(lookup)):
                 return
             self._c_lookups.value += 1
             self._c_query_tokens.value += q
@@ -223,7 +227,7 @@ class Monitor:
             self._c_hit_tokens.value += h
             hit = lookup.hit
             if hit is not None and self._should_sample(hit):
-                if HI.reject(self.metrics, "on_lookup", HI.check_lookup(lookup)):
+                if self._reject("on_lookup", HI.check_lookup(lookup)):
                     return
                 self._enqueue(hit, lookup.seq_id, h)
         except Exception as exc:
@@ -235,7 +239,7 @@ class Monitor:
         the same dispatch, with the blocks as the capture. Returns the verdict in inline
         dispatch mode. Never raises."""
         try:
-            if HI.reject(self.metrics, "on_captured", HI.check_lookup(lookup)):
+            if self._reject("on_captured", HI.check_lookup(lookup)):
                 return None
             self._c_lookups.value += 1
             self._c_query_tokens.value += lookup.query_tokens
@@ -265,7 +269,7 @@ class Monitor:
             # Checked in O(1) here and fully where the journal applies it (sidecar.journal).
             if (type(block) is not StoredBlock or type(block.tokens) not in _TOKEN_SEQS
                     or len(block.tokens) > HI.MAX_BLOCK_TOKENS) \
-                    and HI.reject(self.metrics, "on_store", HI.check_store(block)):
+                    and self._reject("on_store", HI.check_store(block)):
                 return
             self._journal_store(block)
             if self._sampler_store is not None:
@@ -277,7 +281,7 @@ class Monitor:
         try:
             if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
                     or len(block_ids) > HI.MAX_TOKENS) \
-                    and HI.reject(self.metrics, "on_free", HI.check_blocks(group_id, block_ids)):
+                    and self._reject("on_free", HI.check_blocks(group_id, block_ids)):
                 return
             self._journal_free(group_id, block_ids)
             if self._sampler_free is not None:
@@ -289,7 +293,7 @@ class Monitor:
                     generations: Sequence[int]) -> None:
         """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
         try:
-            if HI.reject(self.metrics, "on_allocate", HI.check_blocks(group_id, block_ids)):
+            if self._reject("on_allocate", HI.check_blocks(group_id, block_ids)):
                 return
             self.journal.lifecycle_event(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
                                   generations)
@@ -300,7 +304,7 @@ class Monitor:
         """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
         check, since a release is where premature and double frees happen."""
         try:
-            if HI.reject(self.metrics, "on_release", HI.check_blocks(group_id, block_ids)):
+            if self._reject("on_release", HI.check_blocks(group_id, block_ids)):
                 return
             self.journal.lifecycle_event(LifecycleOp.FREE, group_id, seq_id, block_ids)
             if self._sampler_release is not None:
@@ -313,7 +317,7 @@ class Monitor:
         try:
             x = latency_seconds
             if (type(x) is not float or not 0.0 <= x <= HI.MAX_LATENCY_S) \
-                    and HI.reject(self.metrics, "on_request_done", HI.check_latency(x)):
+                    and self._reject("on_request_done", HI.check_latency(x)):
                 return  # NaN fails the range test too
             self._h_latency.observe(x)
             self.requests_done += 1
@@ -370,6 +374,19 @@ class Monitor:
         """A block's epoch with every store/free so far applied (the verifier's check)."""
         self.journal.drain()
         return self.stored.epoch(group_id, block_id)
+
+    def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
+        """Count a rejected hook input (``hook_input_rejected_total{hook,reason}``) through
+        a cached cell, so a flood of bad input costs little more than good input; True when
+        the event must be dropped."""
+        if why is None:
+            return False
+        cell = self._reject_cells.get((hook, why))
+        if cell is None:
+            cell = self._reject_cells[(hook, why)] = self.metrics.cell(
+                S.HOOK_INPUT_REJECTED, hook=hook, reason=why.value)
+        cell.value += 1
+        return True
 
     def _drop(self, reason: DropReason) -> None:
         self.metrics.inc(S.SAMPLES_DROPPED, reason=reason.value)
