@@ -59,7 +59,6 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
         engine.sink = monitor
         monitor.start()
     prompt_tokens = 0
-    hook_calls = 0
     wall0, cpu0 = time.perf_counter(), time.thread_time()
     results = drive(engine, _workload(engine, seed, requests), max_requests=requests)
     wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
@@ -67,11 +66,10 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
         prompt_tokens += r.prompt_tokens
     if monitor is not None:
         monitor.drain(timeout_s=120)
-        hook_calls = monitor.hook_calls() if hasattr(monitor, "hook_calls") else 0
         monitor.stop()
     return {"wall_s": wall, "engine_cpu_s": cpu, "requests": len(results),
             "prompt_tokens": prompt_tokens, "verify_latency_s": verify_latency,
-            "lookup_ns": lookup_ns, "hook_calls": hook_calls}
+            "lookup_ns": lookup_ns}
 
 
 def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
@@ -115,12 +113,6 @@ def engine_overhead(requests: int, repeats: int) -> dict[str, Any]:
             "requests": rs[0]["requests"], "prompt_tokens": rs[0]["prompt_tokens"],
         }
     return out
-
-
-def prefill_share(per_request_hook_ns: float, prompt_tokens_per_request: float) -> float:
-    """Hook cost of one request as a share of an 8B-model prefill of the same prompt."""
-    prefill_s = prompt_tokens_per_request * PREFILL_FLOPS_PER_TOKEN_8B / PREFILL_FLOP_PER_S
-    return per_request_hook_ns * 1e-9 / prefill_s if prefill_s else 0.0
 
 
 def verification_latency(requests: int) -> dict[str, Any]:
