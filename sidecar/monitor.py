@@ -195,14 +195,9 @@ class Monitor:
             refs = tuple(sorted(captured, key=lambda r: (r.group_id, r.index)))
             if not refs:
                 return None
-            for group_id, ids in hit.blocks.items():
-                self.journal.lifecycle_event(LifecycleOp.HIT, group_id, lookup.seq_id, ids,
-                                      hit.generations.get(group_id, ()), lookup.hit_tokens)
-            self.journal.drain()
-            records, epochs = self.stored.snapshot(refs)
+            self._log_hit(hit, lookup.seq_id, lookup.hit_tokens)
             self.metrics.inc(S.SAMPLED)
-            return self.dispatcher.submit(Sample(hit, refs, records, time.time(), epochs,
-                                                 captured))
+            return self.dispatcher.submit(self._take(hit, refs, captured))
         except Exception as exc:
             self._hook_failed("on_captured", exc)
             return None
@@ -276,9 +271,15 @@ class Monitor:
                                          self.config.blocks_per_sample))
         if not refs:
             return None
-        self.journal.drain()  # the index as of this match
+        return self._take(hit, refs, self._capture_now(hit, refs))
+
+    def _take(self, hit: Hit, refs: tuple[BlockRef, ...],
+              captured: dict[BlockRef, BlockKV] | None) -> Sample:
+        """A sample as of this match: every store/free so far applied, then the refs'
+        store records and epochs snapshotted next to the capture."""
+        self.journal.drain()
         records, epochs = self.stored.snapshot(refs)
-        return Sample(hit, refs, records, time.time(), epochs, self._capture_now(hit, refs))
+        return Sample(hit, refs, records, time.time(), epochs, captured)
 
     def _capture_now(self, hit: Hit, refs: tuple[BlockRef, ...]
                      ) -> dict[BlockRef, BlockKV] | None:
@@ -304,14 +305,18 @@ class Monitor:
 
     def _enqueue(self, hit: Hit, seq_id: SequenceId | None = None,
                  hit_tokens: int | None = None) -> None:
-        for group_id, blocks in hit.blocks.items():  # sampled hits only: O(prefix) is fine
-            self.journal.lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
-                                  hit.generations.get(group_id, ()), hit_tokens)
+        self._log_hit(hit, seq_id, hit_tokens)
         sample = self._sample(hit)
         if sample is None:
             return
         self.metrics.inc(S.SAMPLED)
         self.dispatcher.submit(sample)
+
+    def _log_hit(self, hit: Hit, seq_id: SequenceId | None, hit_tokens: int | None) -> None:
+        """The lifecycle's hit event, per group: for sampled hits only (O(prefix))."""
+        for group_id, blocks in hit.blocks.items():
+            self.journal.lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
+                                         hit.generations.get(group_id, ()), hit_tokens)
 
     def _epoch_now(self, group_id: int, block_id: int) -> int:
         """A block's epoch with every store/free so far applied (the verifier's check)."""
@@ -391,10 +396,8 @@ class Monitor:
     def verify(self, hit: Hit) -> Verdict:
         """Verify one hit now, on this thread, whatever the dispatch mode (tests,
         benchmarks, on-demand checks)."""
-        sample = self._sample(hit) or Sample(hit, (), {}, time.time(), {}, None)
-        verdict = self.verifier.verify(sample)
-        self.apply(verdict)
-        return verdict
+        return self.verify_sample(self._sample(hit)
+                                  or Sample(hit, (), {}, time.time(), {}, None))
 
     def verify_sample(self, sample: Sample) -> Verdict:
         """Verify an already-taken sample again, on this thread (e.g. against another
