@@ -4,6 +4,7 @@ match and read is the sidecar's to see (its own block epochs), stamps or no stam
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -30,18 +31,35 @@ class ServedThenRepaired(Fault):
     def __init__(self) -> None:
         super().__init__(seed=0, start_after=0, probability=1.0)
         self._saved: dict[int, tuple[int, object, object]] = {}
+        self._lock = threading.Lock()
+
+    def unrepaired(self) -> set[int]:
+        """Blocks zeroed and not yet put back (a test's "read after the repair" waits on it)."""
+        with self._lock:
+            return {b for b, _, _ in self._saved.values()}
 
     def on_hit(self, engine, seq, block_ids) -> None:
         if block_ids and seq.seq_id not in self._saved:
             b = block_ids[-1]
             pool = engine.pool
-            self._saved[seq.seq_id] = (b, pool.key[:, b].clone(), pool.value[:, b].clone())
+            with self._lock:
+                self._saved[seq.seq_id] = (b, pool.key[:, b].clone(),
+                                           pool.value[:, b].clone())
             pool.key[:, b].zero_()
             pool.value[:, b].zero_()
             self.record(seq.seq_id, b, "zeroed while served")
 
     def on_block_full(self, engine, seq, block_id) -> None:
-        saved = self._saved.pop(seq.seq_id, None)
+        self._repair(engine, seq)
+
+    def release(self, engine, seq):
+        # A request that never filled another block is repaired when it finishes.
+        self._repair(engine, seq)
+        return None
+
+    def _repair(self, engine, seq) -> None:
+        with self._lock:
+            saved = self._saved.pop(seq.seq_id, None)
         if saved is not None:
             b, key, value = saved
             engine.pool.key[:, b] = key
@@ -52,9 +70,13 @@ class SlowReads(ReferenceAdapter):
     """The verifier's later read arrives late (a busy sidecar): the cache has moved on."""
 
     def __init__(self, engine: ReferenceEngine, delay_s: float, capture: bool = True,
-                 stamps: bool = True, slow_every: int = 1) -> None:
+                 stamps: bool = True, slow_every: int = 1,
+                 after_repair: ServedThenRepaired | None = None) -> None:
         super().__init__(engine)
         self.delay_s = delay_s
+        # Blind runs: the late read lands after the racing write was repaired (waiting for
+        # it, rather than trusting a sleep to be long enough on a loaded 2-core machine).
+        self.after_repair = after_repair
         self.stamps = stamps
         self.slow_every = slow_every  # 1 in this many reads is slow
         self.reads = 0
@@ -65,6 +87,11 @@ class SlowReads(ReferenceAdapter):
         self.reads += 1
         if self.reads % self.slow_every == 0:
             time.sleep(self.delay_s)
+        if self.after_repair is not None:
+            deadline = time.monotonic() + 30.0
+            wanted = {r.block_id for r in refs}
+            while wanted & self.after_repair.unrepaired() and time.monotonic() < deadline:
+                time.sleep(0.002)
         out = super().read(hit, refs)
         if not self.stamps:
             for b in out:
@@ -104,7 +131,10 @@ def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True
     if fault is not None:
         engine.fault = fault
     adapter = SlowReads(engine, delay_s, capture=capture, stamps=stamps,
-                        slow_every=slow_every)
+                        slow_every=slow_every,
+                        after_repair=fault if (not capture
+                                               and isinstance(fault, ServedThenRepaired))
+                        else None)
     mon = Monitor(adapter, SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
                                          queue_size=10_000, capture=capture,
                                          blocks_per_sample=blocks_per_sample,
