@@ -44,15 +44,44 @@ class GroupKind(enum.StrEnum):
     OFFLOADED_TIER = "offloaded_tier"
 
 
+class TierState(enum.StrEnum):
+    """Where an offload-tier entry is in its life (the tier's state machine):
+    ``resident`` (only in device memory) -> ``offloading`` (async copy out in flight) ->
+    ``offloaded`` (only in the tier) -> ``loading`` (async copy back in flight) ->
+    ``loaded`` (back in device memory, usable) | ``failed`` (the copy back failed; the entry
+    must not be served). A hit may only use ``resident`` or ``loaded`` entries."""
+
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"
+    OFFLOADED = "offloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class CacheGroup:
-    """A set of layers that share one block table (vLLM's KV-cache group)."""
+    """A set of layers that share one block table (vLLM's KV-cache group).
+
+    * ``sliding_window``: for :attr:`GroupKind.SLIDING_WINDOW` groups, the window in tokens;
+      a hit needs only the blocks covering the last ``sliding_window - 1`` positions
+      (:func:`sidecar.coverage.required_blocks`), the earlier ones are legitimately null.
+    * ``null_block_ids``: block ids that are padding, never KV (vLLM's null block 0, which
+      fills out-of-window and skipped positions of a block table). The sidecar never reads
+      them as KV; one at a position the group must cover is an anomaly.
+    * :attr:`GroupKind.RECURRENT_STATE` groups keep one state per block *boundary*: block
+      ``i`` holds the state after token ``(i + 1) * block_size - 1``, and a hit needs only
+      the state at its last boundary. Its :class:`BlockKV` carries the state in ``key``
+      (``(layers, *state_shape)``) and a second state component, or an empty tensor, in
+      ``value``; recompute returns the state a fresh prefill reaches at the same boundary.
+    """
 
     group_id: int
     kind: GroupKind
     layers: tuple[int, ...]
     sliding_window: int | None = None
     name: str = ""
+    null_block_ids: frozenset[int] = frozenset()
 
     @property
     def label(self) -> str:
@@ -125,6 +154,9 @@ class Hit:
     blocks: Mapping[int, Sequence[int]]
     generations: Mapping[int, Sequence[int]] = field(default_factory=dict)
     key_fields: Mapping[str, str] = field(default_factory=dict)
+    # group id -> the offload-tier state of each block at match time, where the block came
+    # through a tier (absent = device-resident). Served while not resident/loaded = anomaly.
+    tier_states: Mapping[int, Sequence[TierState]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -332,3 +364,13 @@ class BlockLifecycleSink(Protocol):
     def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
         """``seq_id`` dropped its references to ``block_ids`` (its blocks were freed)."""
         ...
+
+
+class TierSink(Protocol):
+    """Optional event an engine with an offload tier sends (``getattr(sink, "on_tier",
+    None)``), O(1) and never raising like every hook: an entry of ``group_id`` moved to
+    ``state`` (:class:`TierState`). A load (recovery) ends in ``loaded`` or ``failed``,
+    with ``seconds`` = how long it took, for the recovery signals."""
+
+    def on_tier(self, group_id: int, block_id: int, state: TierState,
+                seconds: float | None = None) -> None: ...

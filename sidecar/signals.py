@@ -344,6 +344,21 @@ class AnomalyKind(enum.StrEnum):
     # block was neither freed nor stored again in between: it changed in place after
     # serving (a late write landing, a bit flip). What was served is judged on the capture.
     CHANGED_AFTER_SERVING = "changed_after_serving"
+    # --- hybrid caches (per cache group; :mod:`sidecar.coverage` says what a group needs)
+    # A sliding-window group's blocks are not where its window is: restored off by a block,
+    # or real blocks at positions its window has left / null ones inside it.
+    WINDOW_MISMATCH = "window_mismatch"
+    # A group the request needs has no state for a position it must cover (evicted, absent).
+    MISSING_GROUP_STATE = "missing_group_state"
+    # A position the group must cover maps to the group's null (padding) block.
+    NULL_BLOCK_READ = "null_block_read"
+    # A recurrent group's state at a boundary is not the state a fresh prefill reaches
+    # there (e.g. it belongs to an earlier boundary).
+    STALE_RECURRENT_STATE = "stale_recurrent_state"
+    # Served from an offload-tier entry that was not loaded (still loading, or failed).
+    TIER_NOT_LOADED = "tier_not_loaded"
+    # A tier load copied back only some layers: the rest of the block is not what was stored.
+    PARTIAL_LOAD = "partial_load"
 
 
 class InvariantKind(enum.StrEnum):
@@ -374,6 +389,7 @@ class DropReason(enum.StrEnum):
     REUSED_AFTER_SERVING = "reused_after_serving"
     CAPTURE_TOO_LARGE = "capture_too_large"  # served-KV capture over capture_max_bytes
     SHUTDOWN = "shutdown"
+    ADMISSION = "admission"  # over the cap on concurrent recomputes / recoveries
 
 
 @dataclass(frozen=True)
