@@ -6,6 +6,7 @@ Subcommands:
   signals   list the exported signals (``--markdown`` prints the README table)
   vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
   bench     benchmarks (``bench detection``)
+  config    check a configuration file, show the effective configuration
 
 Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar import __version__, tolerance
+from sidecar.config_layers import ConfigError
 from sidecar.extras import MissingExtra, require
 
 
@@ -117,7 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.canary.cli import add_parser as add_canary_parser
 
     add_canary_parser(sub)
+
+    from sidecar.config_cli import add_config_arguments
+    from sidecar.config_cli import add_parser as add_config_parser
+
+    add_config_parser(sub)
+    for name in CONFIGURED:
+        add_config_arguments(sub.choices[name])
     return p
+
+
+CONFIGURED = ("demo", "canary")  # the subcommands that take --config (sidecar/config_cli.py)
 
 
 def cmd_faults() -> int:
@@ -154,7 +166,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
                        otel=args.otel, progress=not args.quiet,
-                       sidecar=tolerance.config_fields(args))
+                       sidecar={**args.sidecar_overrides, **tolerance.config_fields(args)})
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
@@ -185,6 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
+        if args.command in CONFIGURED:
+            from sidecar.config_cli import configure
+
+            configure(args.command, args.command, parser, argv, args)
+        if args.command == "config":
+            from sidecar.config_cli import run_config
+
+            return run_config(args)
         if args.command == "demo":
             return cmd_demo(args)
         if args.command == "faults":
@@ -204,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (UsageError, MissingExtra) as exc:
         print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"kv-sidecar: error: {problem}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"kv-sidecar: error: {exc}", file=sys.stderr)

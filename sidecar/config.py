@@ -7,7 +7,9 @@ printed without the Monitor; ``sidecar.monitor`` re-exports it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from sidecar.calibration import calibration_config
 from sidecar.dispatch import MODES, Mode
@@ -51,20 +53,69 @@ class SidecarConfig:
     calibration_multiple: float = 4.0
 
     def validate(self) -> None:
-        for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",
-                     "latency_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.blocks_per_sample < 1:
-            raise ValueError(f"blocks_per_sample must be >= 1, got {self.blocks_per_sample}")
-        if not self.adapter_timeout_s > 0:
-            raise ValueError(f"adapter_timeout_s must be > 0, got {self.adapter_timeout_s}")
-        if not 0.0 <= self.lifecycle_sample_rate <= 1.0:
-            raise ValueError(f"lifecycle_sample_rate must be in [0, 1], got "
-                             f"{self.lifecycle_sample_rate}")
-        if self.leak_window < 2:
-            raise ValueError(f"leak_window must be >= 2, got {self.leak_window}")
-        if self.dispatch not in MODES:
-            raise ValueError(f"dispatch must be one of {', '.join(MODES)}, got "
-                             f"{self.dispatch!r}")
+        """Every field against :data:`LIMITS` (the one table the config file, the
+        environment and the flags are checked against too), then the calibration's own
+        checks. Raises ``ValueError`` naming the field."""
+        for f in dataclasses.fields(self):
+            limit = LIMITS.get(f.name)
+            problem = limit.problem(getattr(self, f.name)) if limit else None
+            if problem:
+                raise ValueError(f"{f.name} {problem}")
         calibration_config(self).validate()
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The values a setting allows beyond its type: a range and/or a set of choices."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # ``> low`` instead of ``>= low``
+    choices: tuple[Any, ...] | None = None
+    finite: bool = False
+
+    def describe(self) -> str:
+        """The allowed values, in the words an error message uses ("a number > 0")."""
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        return " and ".join(parts) + (" (finite)" if self.finite else "")
+
+    def problem(self, value: Any) -> str | None:
+        """``None`` when ``value`` is allowed, else "must be ..., got ..."."""
+        if self.choices is not None:
+            ok = value in self.choices
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            return None  # the type check reports it
+        else:
+            ok = not math.isnan(value) and not (self.finite and math.isinf(value))
+            if self.low is not None:
+                ok = ok and (value > self.low if self.low_open else value >= self.low)
+            if self.high is not None:
+                ok = ok and value <= self.high
+        return None if ok else f"must be {self.describe()}, got {value!r}"
+
+
+# The one table of ranges and choices for SidecarConfig fields (types come from the field
+# annotations). A field without an entry takes any value of its type.
+LIMITS: dict[str, Limit] = {
+    "sample_every": Limit(low=1),
+    "blocks_per_sample": Limit(low=1),
+    "queue_size": Limit(low=1),
+    "adapter_timeout_s": Limit(low=0, low_open=True),
+    "store_records": Limit(low=1),
+    "evidence_capacity": Limit(low=1),
+    "latency_window": Limit(low=1),
+    "lifecycle_sample_rate": Limit(low=0, high=1),
+    "lifecycle_window": Limit(low=0),
+    "lifecycle_burst": Limit(low=0),
+    "leak_window": Limit(low=2),
+    "capture_max_bytes": Limit(low=0),
+    "dispatch": Limit(choices=MODES),
+    "calibration_samples": Limit(low=0),
+    "calibration_multiple": Limit(low=1, finite=True),
+}

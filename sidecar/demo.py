@@ -72,13 +72,13 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
         model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
         fault=opts.fault, fault_seed=opts.seed, kv_digest=True))
     monitor = Monitor(ReferenceAdapter(engine),
-                      SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
+                      SidecarConfig(**{**dict(sample_every=opts.sample_every, seed=opts.seed,
                                     evidence_dir=opts.evidence_dir,
                                     recompute_tokens_per_s=0,
                                     # check the allocator after every release: the demo
                                     # reports the request at which each fault was caught
                                     allocator_check_min_interval_s=0.0,
-                                    allocator_every_s=0.5, **opts.sidecar))
+                                    allocator_every_s=0.5), **opts.sidecar}))
     engine.sink = monitor
     return engine, monitor
 

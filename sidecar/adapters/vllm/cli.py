@@ -25,6 +25,8 @@ import time
 from sidecar import tolerance
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
 from sidecar.adapters.vllm.hashing import ALGOS
+from sidecar.config_cli import add_config_arguments, configure
+from sidecar.config_layers import ConfigError
 
 
 def _engine_args(a: argparse.Namespace) -> int:
@@ -49,10 +51,12 @@ def _serve(a: argparse.Namespace) -> int:
         replay_endpoint=a.replay, events_bind=a.events_bind, hash_algo=a.hash_algo,
         hash_seed=a.hash_seed, metrics_url=a.metrics_url, engine_url=a.engine_url,
         reference=a.reference, allocator_every_s=a.poll_every,
-        sidecar=SidecarConfig(sample_every=1, blocks_per_sample=a.blocks_per_sample,
-                              adapter_timeout_s=a.adapter_timeout,
-                              recompute_tokens_per_s=a.recompute_budget,
-                              **tolerance.config_fields(a)))
+        # [sidecar] keys from --config/KVSIDECAR_* first; the probe samples, so 1 in 1 here
+        sidecar=SidecarConfig(**{**a.sidecar_overrides,
+                                 **dict(sample_every=1, blocks_per_sample=a.blocks_per_sample,
+                                        adapter_timeout_s=a.adapter_timeout,
+                                        recompute_tokens_per_s=a.recompute_budget,
+                                        **tolerance.config_fields(a))}))
     sc = VllmSidecar(cfg).start()
     from sidecar.server import load_token
 
@@ -111,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)
         s.set_defaults(fn=_serve)
+    for name in ("engine-args", "serve"):  # --config FILE, --set (sidecar/config_cli.py)
+        add_config_arguments(sub.choices[name])
     return p
 
 
@@ -118,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    try:  # fill what the flags did not give from KVSIDECAR_* and --config FILE
+        configure("vllm", a.cmd, p, argv if argv is not None else sys.argv[1:], a)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"kv-sidecar vllm: error: {problem}", file=sys.stderr)
+        return 2
     if a.cmd == "serve" and a.served_model_name is None:
         a.served_model_name = a.model
     started = time.monotonic()
