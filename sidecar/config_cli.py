@@ -118,6 +118,23 @@ def configure(section: str, subcommand: str, parser: argparse.ArgumentParser,
     return effective
 
 
+def sidecar_config(path: str | None = None, env: Mapping[str, str] | None = None,
+                   **overrides: Any) -> SidecarConfig:
+    """A :class:`SidecarConfig` from ``[sidecar]`` of a config file (default:
+    ``$KVSIDECAR_CONFIG``) and ``KVSIDECAR_*``, for code that embeds the sidecar in-process
+    (the LMCache monitor, a ``vllm.LLM`` script); keyword ``overrides`` win, like flags.
+    Raises :class:`ConfigError`."""
+    schema = build_schema()
+    layers = load(schema, path, os.environ if env is None else env)
+    problems = sidecar_problems(schema, layers)
+    if problems:
+        raise ConfigError(problems)
+    values = {k.name: layers.value(k, k.default).value for k in schema.sections[SIDECAR].values()}
+    config = SidecarConfig(**{**values, **overrides})
+    config.validate()
+    return config
+
+
 def sidecar_problems(schema: Schema, layers: Layers) -> list[str]:
     """What :meth:`SidecarConfig.validate` refuses in the merged ``[sidecar]`` values (the
     checks across a value's parts: tolerance keys, the calibration)."""
@@ -193,6 +210,8 @@ def _check(path: str) -> int:
     print(f"{path}: ok; {len(layers.file)} keys set ({counts})")
     for path_, value in layers.file.items():
         print(f"  {path_} = {_show_value(value.value)}")
+    for section, why in schema.unavailable.items():
+        print(f"  [{section}] not checked here: {why}")
     return 0
 
 

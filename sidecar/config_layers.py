@@ -50,8 +50,11 @@ class Value:
 class Schema:
     """The sections of a configuration and their keys."""
 
-    def __init__(self, sections: Mapping[str, Mapping[str, Key]]) -> None:
+    def __init__(self, sections: Mapping[str, Mapping[str, Key]],
+                 unavailable: Mapping[str, str] | None = None) -> None:
         self.sections = {s: dict(keys) for s, keys in sections.items()}
+        # sections whose keys this install cannot know (a missing extra): section -> why
+        self.unavailable = dict(unavailable or {})
         self.by_env: dict[str, Key] = {}
         self.env_collisions: list[str] = []
         for key in self.keys():
@@ -119,6 +122,9 @@ def read_file(schema: Schema, path: str | Path) -> tuple[dict[str, Value], list[
     values: dict[str, Value] = {}
     problems: list[str] = []
     for section, table in data.items():
+        if section in schema.unavailable:
+            log.warning("[%s] in %s not checked: %s", section, name, schema.unavailable[section])
+            continue
         if section not in schema.sections:
             problems.append(_unknown_section(schema, section, table, name))
             continue
@@ -138,7 +144,7 @@ def read_file(schema: Schema, path: str | Path) -> tuple[dict[str, Value], list[
 
 
 def _unknown_section(schema: Schema, section: str, value: Any, file: str) -> str:
-    known = ", ".join(f"[{s}]" for s in schema.sections)
+    known = ", ".join(f"[{s}]" for s in [*schema.sections, *schema.unavailable])
     owners = [s for s, keys in schema.sections.items() if section in keys]
     if not isinstance(value, dict) and owners:
         return (f"{section}: a key outside any section; put it under [{owners[0]}] "

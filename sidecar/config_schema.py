@@ -25,6 +25,7 @@ from typing import Any
 from sidecar.config import LIMITS, SidecarConfig
 from sidecar.config_keys import SIDECAR, FieldKey, FlagKey, Key
 from sidecar.config_layers import Schema
+from sidecar.extras import MissingExtra, require
 
 # Flags that are about the configuration itself, or about argparse: never keys.
 NOT_KEYS = frozenset({"help", "version", "config", "set", "config_required"})
@@ -158,6 +159,15 @@ def flag_value(action: argparse.Action, value: Any) -> Any:
 def build_schema() -> Schema:
     """Every section: ``[sidecar]`` then each command's."""
     sections: dict[str, dict[str, Key]] = {SIDECAR: sidecar_keys()}
+    unavailable: dict[str, str] = {}
     for command in COMMANDS.values():
-        sections[command.section] = command_keys(command)
-    return Schema(sections)
+        try:
+            if command.section in EXTRA_OF:
+                require(EXTRA_OF[command.section])
+            sections[command.section] = command_keys(command)
+        except (MissingExtra, ImportError) as exc:  # the lean runtime: no vLLM adapter
+            unavailable[command.section] = str(exc)
+    return Schema(sections, unavailable)
+
+
+EXTRA_OF = {"vllm": "vllm"}  # sections whose parser needs an extra (sidecar/extras.py)
