@@ -50,6 +50,8 @@ expect_extra demo demo --fault zero-block
 expect_extra demo faults
 expect_extra demo bench detection
 expect_extra events vllm --help
+# The configuration works without the extras ([vllm] is skipped: its flags need [events]).
+"$CLI" config check examples/kv-sidecar.toml >/dev/null || fail "kv-sidecar config check exited $?"
 
 # Every runtime module imports; the extra-gated ones are listed (and must fail only for
 # the missing extra, i.e. they really need it).

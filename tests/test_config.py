@@ -220,7 +220,11 @@ def test_vllm_engine_args_take_sidecar_keys(tmp_path, capsys):
     flags = capsys.readouterr().out
     extra = json.loads(flags.split("'")[1])["kv_connector_extra_config"]
     assert (extra["sample_every"], extra["seed"], extra["blocks_per_sample"]) == (7, 3, 4)
-    assert vllm_main(["serve", "--config", _write(tmp_path, "[vllm]\nblock_size = 0\n")]) == 2
+    assert vllm_main(["serve", "--dtype", "float32", "--block-size", "16"]) == 2
+    assert "--model is required (or vllm.model in the config file or KVSIDECAR_VLLM_MODEL)" \
+        in capsys.readouterr().err
+    assert vllm_main(["serve", "--config", _write(tmp_path, "[vllm]\nblock_size = \"16\"\n")]) == 2
+    assert "vllm.block_size: expected an integer, got a string" in capsys.readouterr().err
 
 
 def test_fields_added_to_sidecar_config_are_keys_with_no_extra_code(monkeypatch, tmp_path):
