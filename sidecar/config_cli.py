@@ -95,7 +95,8 @@ def configure(section: str, subcommand: str, parser: argparse.ArgumentParser,
         mapped.add(key.path)
         current = getattr(args, action.dest)
         if action.dest in explicit:
-            value = Value(key, sidecar_value(current), "flag", max(action.option_strings))
+            value = Value(key, sidecar_value(current), "flag",
+                          max(action.option_strings, key=len))
         else:
             value = layers.value(key, sidecar_value(current))
             setattr(args, action.dest, flag_value(action, value.value))

@@ -188,7 +188,8 @@ def test_a_command_takes_flag_over_env_over_file_over_default(tmp_path):
     args, eff = _configure(["demo", "--config", path, "--requests", "400",
                             "--sample-every=5"], env)
     assert (args.requests, args.sample_every) == (400, 5)
-    assert eff["demo.requests"].source == "flag"
+    assert (eff["demo.requests"].source, eff["demo.requests"].origin) == ("flag", "--requests")
+    assert eff["sidecar.sample_every"].origin == "--sample-every"
     with pytest.raises(ConfigError, match=r"KVSIDECAR_DEMO_DTYPE \(demo\.dtype\): must be one of"):
         _configure(["demo"], {"KVSIDECAR_DEMO_DTYPE": "float64"})
 
