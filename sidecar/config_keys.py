@@ -190,9 +190,9 @@ def _hint_name(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_hint_name(a) for a in args if a is not type(None))
     if origin is dict:
-        return f"a table of {_hint_name(args[1])}" if args else "a table"
+        return f"a table (values: {_hint_name(args[1])})" if args else "a table"
     if origin in (list, tuple):
-        return f"a list of {_hint_name(args[0])}" if args else "a list"
+        return f"a list (items: {_hint_name(args[0])})" if args else "a list"
     return "any value" if hint is Any else type_name(hint)
 
 
