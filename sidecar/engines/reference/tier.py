@@ -112,8 +112,9 @@ class Load:
 
     ``layers``: the layers the copy writes (all of them unless a fault cuts it short);
     ``fails``: the copy errors out before writing anything (a fault's broken backend);
-    ``hold_after``: the copy pauses after that many layers until :meth:`resume` (a fault
-    that serves the block without awaiting the copy reads it exactly there).
+    ``hold_after``: the copy stops after that many layers, still ``loading``, and goes on
+    only after :meth:`resume` (a fault that serves the block without awaiting the copy
+    reads it exactly there). The pause leaves the worker free for the next copies.
     """
 
     tier: CpuTier
@@ -128,27 +129,31 @@ class Load:
     seconds: float | None = None
     error: Exception | None = None
     cancelled: bool = False
+    resumed: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     parked: threading.Event = field(default_factory=threading.Event)
-    gate: threading.Event = field(default_factory=threading.Event)
+    _next: int = -1  # index in ``layers`` to copy next; -1 before the copy started
 
     def run(self) -> None:
         """The worker's side: loading, the per-layer copy, then loaded or failed."""
-        try:
-            self.tier.transition(self.entry, S.LOADING)
-        except IllegalTierTransition as exc:
-            self._end(None, exc)
-            return
+        if self._next < 0:
+            try:
+                self.tier.transition(self.entry, S.LOADING)
+            except IllegalTierTransition as exc:
+                self._end(None, exc)
+                return
+            self._next = 0
         try:
             if self.fails:
                 raise TierCopyError("the tier backend failed the copy back")
-            for n, layer in enumerate(self.layers):
-                if n == self.hold_after:
-                    self.parked.set()
-                    self.gate.wait()
+            while self._next < len(self.layers):
+                if self._next == self.hold_after and not self.resumed:
+                    self.parked.set()  # readable here; the rest waits for resume()
+                    return
                 if self.cancelled:
                     raise TierCopyError("cancelled: the engine stopped waiting")
-                copy_layer(self.pool, self.block_id, self.entry.data, layer)
+                copy_layer(self.pool, self.block_id, self.entry.data, self.layers[self._next])
+                self._next += 1
             outcome = S.LOADED
             error = None
         except Exception as exc:  # a damaged tier copy (wrong shape...), or the above
@@ -172,12 +177,16 @@ class Load:
         return (self.done if self.hold_after is None else self.parked).wait(timeout_s)
 
     def resume(self) -> None:
-        self.gate.set()
+        """Let a paused copy finish (queued on the worker again)."""
+        if self.hold_after is not None and not self.resumed:
+            self.resumed = True
+            self.tier.worker.submit(self)
 
     def cancel(self) -> None:
         """Stop a copy the engine no longer waits for before it writes another layer."""
         self.cancelled = True
-        self.gate.set()
+        if self.parked.is_set() and not self.done.is_set():
+            self.resume()  # a paused copy ends failed instead of waiting forever
 
 
 class CpuTier:
@@ -278,7 +287,5 @@ class CpuTier:
         all_layers = tuple(range(int(pool.key.shape[0])))
         job = Load(self, entry, pool, block_id, all_layers if layers is None else tuple(layers),
                    fails=fails, hold_after=hold_after)
-        if hold_after is None:
-            job.gate.set()
         self.worker.submit(job)
         return job
