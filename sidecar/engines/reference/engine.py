@@ -45,7 +45,7 @@ from sidecar.engines.reference.sequence import (
     Result,
     RunningSequence,
 )
-from sidecar.engines.reference.tier import CpuTier, Load, TierEntry
+from sidecar.engines.reference.tier import CpuTier, Load, TierEntry, finish, hit_tier_states
 from sidecar.engines.reference.truth import GroundTruth
 from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock, TierState
 
@@ -272,7 +272,8 @@ class ReferenceEngine:
                       blocks={GROUP_ID: tuple(hit_ids)},
                       generations={GROUP_ID: tuple(generations)},
                       key_fields=dict(key_fields),
-                      tier_states=self._tier_states(len(hit_ids), loaded))
+                      tier_states=hit_tier_states(GROUP_ID, len(hit_ids),
+                                                  [state for _, _, state in loaded]))
         self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit, seq_id=index))
         return seq
 
@@ -427,27 +428,12 @@ class ReferenceEngine:
         tier.loads += len(served)
         return served
 
-    @staticmethod
-    def _tier_states(num_hit: int, loaded: Sequence[tuple[int, TierEntry, TierState]]
-                     ) -> dict[int, tuple[TierState, ...]]:
-        """Hit.tier_states: each hit block's state where some came through the tier (the
-        pool's own hits are resident; the loaded ones end the hit)."""
-        if not loaded:
-            return {}
-        return {GROUP_ID: (TierState.RESIDENT,) * (num_hit - len(loaded))
-                + tuple(state for _, _, state in loaded)}
-
     def _settle_unawaited(self, seq_id: int) -> None:
         """After the prefill used them: let loads served while in flight finish."""
         loads = self._unawaited.pop(seq_id, None)
-        if not loads:
-            return
-        for load in loads:
-            load.resume()
-        for load in loads:
-            if not load.done.wait(LOAD_TIMEOUT_S):
-                load.cancel()
-        self._emit_tier_events()
+        if loads:
+            finish(loads, LOAD_TIMEOUT_S)
+            self._emit_tier_events()
 
     def _emit_tier_events(self) -> None:
         """Report the tier's transitions (from any thread) on the engine's thread."""

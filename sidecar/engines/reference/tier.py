@@ -106,6 +106,24 @@ def copy_layer(pool: BlockPool, block_id: int, data: BlockData, layer: int) -> N
         pool.value_scale[layer, block_id].copy_(data.value_scale[layer])
 
 
+def hit_tier_states(group_id: int, num_hit: int, loaded: Sequence[TierState]
+                    ) -> dict[int, tuple[TierState, ...]]:
+    """``Hit.tier_states`` for a hit of ``num_hit`` blocks whose last ``len(loaded)`` came
+    through the tier (the pool's own hits before them are resident); empty when none did."""
+    if not loaded:
+        return {}
+    return {group_id: (S.RESIDENT,) * (num_hit - len(loaded)) + tuple(loaded)}
+
+
+def finish(loads: Sequence[Load], timeout_s: float) -> None:
+    """Let loads served while paused complete, and wait for them (cancelled on timeout)."""
+    for load in loads:
+        load.resume()
+    for load in loads:
+        if not load.done.wait(timeout_s):
+            load.cancel()
+
+
 @dataclass(eq=False)
 class Load:
     """One asynchronous load of ``entry`` into pool block ``block_id`` (a copy job).
