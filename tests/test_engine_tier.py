@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
@@ -114,6 +115,16 @@ def test_lru_bound_never_drops_an_entry_with_a_copy_in_flight() -> None:
 
 
 # ---------------------------------------------------------------------- the copy worker
+def until(condition: Callable[[], bool]) -> bool:
+    """Poll ``condition`` until it holds or TIMEOUT passes (threads on a loaded machine)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def test_loads_complete_in_submission_order_behind_a_copy_in_flight() -> None:
     tier = CpuTier(8, queue_depth=8)
     pool = BlockPool(8, BS, 2, 1, 4)
@@ -152,19 +163,16 @@ def test_a_full_queue_makes_submit_wait() -> None:
             ran.append(self.n)
 
     worker.submit(Job(0))  # taken by the thread, blocked on the gate
-    while worker._queue.qsize():  # the worker has taken job 0
-        threading.Event().wait(0.001)
+    assert until(lambda: worker._queue.qsize() == 0)
     worker.submit(Job(1))  # fills the one queue slot
     third = threading.Thread(target=worker.submit, args=(Job(2),))
     third.start()
-    third.join(0.1)
-    assert third.is_alive() and worker.backpressure_waits == 1  # bounded: it waits
+    assert until(lambda: worker.backpressure_waits == 1)  # bounded: the third one waits
+    assert third.is_alive() and ran == []
     gate.set()
     third.join(TIMEOUT)
     assert not third.is_alive()
-    deadline = threading.Event()
-    while len(ran) < 3 and not deadline.wait(0.01):
-        pass
+    assert until(lambda: len(ran) == 3)
     assert ran == [0, 1, 2] and worker.submitted == 3
 
 

@@ -276,9 +276,15 @@ class CpuTier:
     def _bound(self) -> None:
         """Drop least recently used entries over capacity, never one with a copy in flight."""
         over = len(self._entries) - self.capacity
-        for key in [k for k, e in self._entries.items() if e.state not in IN_FLIGHT][:over]:
+        victims: list[tuple[int, BlockHash]] = []
+        for key, e in self._entries.items():  # oldest first; usually one step
+            if len(victims) >= over:
+                break
+            if e.state not in IN_FLIGHT:
+                victims.append(key)
+        for key in victims:
             del self._entries[key]
-            self.dropped += 1
+        self.dropped += len(victims)
 
     # ------------------------------------------------------------------ lookup and load
     def match(self, group_id: int, hashes: Sequence[BlockHash]) -> list[TierEntry]:
