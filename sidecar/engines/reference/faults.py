@@ -526,7 +526,7 @@ class TornAsyncCopy(Fault):
                    "request (and a capture at match time) reads it while still loading, its "
                    "later layers holding the previous bytes; the copy completes afterwards")
     corrupts_kv = True
-    default_probability = 0.5
+    default_probability = 1.0  # a scheduler that skips the wait skips it on every load
     engine_needs = {"cpu_offload_blocks": 512}
 
     def unawaited_layers(self, engine: ReferenceEngine, request_index: int, block_id: int,
