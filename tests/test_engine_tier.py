@@ -314,6 +314,21 @@ def test_a_failed_load_is_not_served_but_recomputed() -> None:
     assert engine.truth is not None and not engine.truth.bad_blocks(hit)
 
 
+def test_a_raising_on_tier_hook_is_counted_and_never_reaches_the_engine() -> None:
+    class Broken(TierSink):
+        def on_tier(self, group_id: int, block_id: int, state: TierState,
+                    seconds: float | None = None) -> None:
+            raise RuntimeError("sidecar bug")
+
+    engine = ReferenceEngine(EngineConfig(num_blocks=8, block_size=BS, cpu_offload_blocks=64))
+    engine.sink = Broken(engine)  # type: ignore[assignment]
+    outputs = [engine.serve(Request(prompt(s), max_new_tokens=2)).output_tokens
+               for s in (0, 1, 2, 3, 0)]
+    assert outputs[4] == outputs[0]
+    assert engine.tier is not None and engine.tier.loads == 3
+    assert engine.sink_errors["on_tier"] >= 9 + 6  # three spills and three loads at least
+
+
 # ---------------------------------------------------------------------- the tier faults
 @pytest.mark.parametrize("digests", [False, True])
 def test_failed_load_as_hit_serves_a_failed_entry_and_the_verifier_flags_it(
