@@ -45,13 +45,16 @@ from sidecar.engines.reference.sequence import (
     Result,
     RunningSequence,
 )
-from sidecar.engines.reference.tier import CpuTier, TierEntry
+from sidecar.engines.reference.tier import CpuTier, Load, TierEntry, finish, hit_tier_states
 from sidecar.engines.reference.truth import GroundTruth
-from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock
+from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock, TierState
 
 # Re-exported: callers (the adapter, the demo, the benchmark, tests) import these from here.
 __all__ = ["GROUP_ID", "KEY_FIELD_NAMES", "DigestFn", "EngineConfig", "ReferenceEngine",
            "Request", "Result", "RunningSequence"]
+
+
+LOAD_TIMEOUT_S = 30.0  # a tier load not done by then is given up and recomputed
 
 
 def _with_fault_needs(config: EngineConfig, fault: Fault) -> EngineConfig:
@@ -88,6 +91,7 @@ class ReferenceEngine:
                               kv_storage=c.kv_storage)
         self.tier = CpuTier(c.cpu_offload_blocks) if c.cpu_offload_blocks > 0 else None
         self._digests: dict[int, str | None] = {}  # write-time digests, kept for the tier
+        self._unawaited: dict[int, list[Load]] = {}  # seq -> loads served while in flight
         if self.tier is not None:
             self.pool.on_evict = self._spill
         self.truth = GroundTruth(self.pool, KEY_FIELD_NAMES) if c.track_truth else None
@@ -224,17 +228,18 @@ class ReferenceEngine:
         key_fields = self.key_fields(request)
         hashes: list[BlockHash] = []
         self._chain(index, prompt, key_fields, (len(prompt) - 1) // bs, hashes)
-        loaded: list[tuple[int, TierEntry]] = []
+        loaded: list[tuple[int, TierEntry, TierState]] = []
         with self.lock:
             hit_ids = self.pool.lookup(hashes)
-            offloaded = self.tier.match(hashes[len(hit_ids):]) if self.tier else []
+            offloaded = (self.tier.match(GROUP_ID, hashes[len(hit_ids):]) if self.tier
+                         else [])
             self.fault.before_allocate(self, index)
             alloc = self.pool.allocate(needed - len(hit_ids), holder=index, reserve=hit_ids)
             if alloc.ok:
                 if self.truth is not None:
                     self.truth.allocated(index, alloc.block_ids)
                 loaded = self._load(index, offloaded, alloc.block_ids)
-                hit_ids = [*hit_ids, *(b for b, _ in loaded)]
+                hit_ids = [*hit_ids, *(b for b, _, _ in loaded)]
                 generations = [self.pool.blocks[b].generation for b in hit_ids]
                 seq = RunningSequence(index, request, key_fields, prompt,
                                       {GROUP_ID: [*hit_ids, *alloc.block_ids[len(loaded):]]},
@@ -244,13 +249,14 @@ class ReferenceEngine:
                 self._running.append(seq)
                 self.fault.on_hit(self, seq, hit_ids)
                 self.fault.on_allocate(self, seq, alloc.block_ids[len(loaded):])
+        self._emit_tier_events()
         if alloc.evicted:
             self._emit("on_free", GROUP_ID, alloc.evicted)
         if not alloc.ok:
             return None
         self._emit("on_allocate", GROUP_ID, index, alloc.block_ids,
                    tuple(self.pool.blocks[b].generation for b in alloc.block_ids))
-        for b, entry in loaded:  # reported like any stored block, with its original digest
+        for b, entry, _ in loaded:  # reported like any stored block, with its original digest
             i = entry.prefix_tokens // bs
             self._emit("on_store", StoredBlock(
                 group_id=GROUP_ID, block_id=b, generation=generations[i], tokens=entry.tokens,
@@ -265,13 +271,16 @@ class ReferenceEngine:
             hit = Hit(tokens=tuple(prompt), hit_tokens=seq.hit_tokens,
                       blocks={GROUP_ID: tuple(hit_ids)},
                       generations={GROUP_ID: tuple(generations)},
-                      key_fields=dict(key_fields))
+                      key_fields=dict(key_fields),
+                      tier_states=hit_tier_states(GROUP_ID, len(hit_ids),
+                                                  [state for _, _, state in loaded]))
         self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit, seq_id=index))
         return seq
 
     def _prefill(self, seq: RunningSequence) -> None:
         past = self._gather(seq, seq.hit_tokens) if seq.hit_tokens else None
         out = self.model.forward(seq.tokens[seq.hit_tokens:], seq.adapter, past)
+        self._settle_unawaited(seq.seq_id)
         self._write(seq, seq.hit_tokens, out.kv)
         seq.num_computed = seq.prompt_len
         self._store_full_blocks(seq)
@@ -367,33 +376,70 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ CPU offload tier
     def _spill(self, block_id: int) -> None:
-        """Pool eviction hook: copy the cached block out to the tier (under the lock)."""
+        """Pool eviction hook: copy the cached block out to the tier (under the lock; the
+        block goes to a new owner right after, so this copy cannot be deferred)."""
         meta = self.pool.blocks[block_id]
         if self.tier is None or meta.block_hash is None:
             return
         extra = self.truth.spill(block_id) if self.truth is not None else None
         self.tier.put(TierEntry(meta.block_hash, self.pool.export_block(block_id),
                                 meta.tokens, meta.key_fields, meta.prefix_tokens,
-                                self._digests.pop(block_id, None), extra))
+                                self._digests.pop(block_id, None), extra,
+                                group_id=GROUP_ID, block_id=block_id))
 
     def _load(self, seq_id: int, entries: Sequence[TierEntry],
-              fresh: Sequence[int]) -> list[tuple[int, TierEntry]]:
-        """Load offloaded blocks into the first fresh blocks and index them again. A load the
-        fault fails leaves the destination as it was, and is reported loaded all the same."""
-        loaded: list[tuple[int, TierEntry]] = []
+              fresh: Sequence[int]) -> list[tuple[int, TierEntry, TierState]]:
+        """Load offloaded blocks into the first fresh blocks (async, on the tier's worker),
+        wait until each may be read, and keep the leading run the request may serve, with
+        each one's tier state at that moment. A load that fails (or times out) ends the hit
+        there: that block and the ones after it stay private and are recomputed. The
+        faults' bugs: a load the fault fails is served all the same (failed-load-as-hit),
+        a load may copy back only some layers, or be served before it completed."""
+        tier = self.tier
+        if tier is None or not entries:
+            return []
+        num_layers = int(self.pool.key.shape[0])
+        loads: list[Load] = []
         for entry, b in zip(entries, fresh, strict=False):
             if not self.pool.cache(b, entry.block_hash, entry.tokens, entry.key_fields,
                                    entry.prefix_tokens):
                 break
-            if not self.fault.load_fails(self, seq_id, b):
-                self.pool.import_block(b, entry.data)
+            loads.append(tier.load(
+                entry, self.pool, b, layers=self.fault.load_layers(self, seq_id, b, num_layers),
+                fails=self.fault.load_fails(self, seq_id, b),
+                hold_after=self.fault.unawaited_layers(self, seq_id, b, num_layers)))
+        ready = [load.wait(LOAD_TIMEOUT_S) for load in loads]  # every copy out of the way
+        served: list[tuple[int, TierEntry, TierState]] = []
+        for load, ok in zip(loads, ready, strict=True):
+            state = load.entry.state
+            if not ok or (state is TierState.FAILED and not load.fails) or state is None:
+                break
+            served.append((load.block_id, load.entry, state))
+        for load in loads[len(served):]:  # recovered by recompute: private blocks again
+            load.cancel()
+            self.pool.uncache(load.block_id)
+            self.stats["tier_loads_recomputed"] += 1
+        for load in loads[:len(served)]:
+            if load.hold_after is not None:
+                self._unawaited.setdefault(seq_id, []).append(load)
             if self.truth is not None:
-                self.truth.loaded(b, entry.extra)
-            self._digests[b] = entry.kv_digest
-            loaded.append((b, entry))
+                self.truth.loaded(load.block_id, load.entry.extra)
+            self._digests[load.block_id] = load.entry.kv_digest
+        tier.loads += len(served)
+        return served
+
+    def _settle_unawaited(self, seq_id: int) -> None:
+        """After the prefill used them: let loads served while in flight finish."""
+        loads = self._unawaited.pop(seq_id, None)
+        if loads:
+            finish(loads, LOAD_TIMEOUT_S)
+            self._emit_tier_events()
+
+    def _emit_tier_events(self) -> None:
+        """Report the tier's transitions (from any thread) on the engine's thread."""
         if self.tier is not None:
-            self.tier.loads += len(loaded)
-        return loaded
+            for e in self.tier.drain_events():
+                self._emit("on_tier", e.group_id, e.block_id, e.state, e.seconds)
 
     # ------------------------------------------------------------------ observability
     def _emit(self, hook: str, *args: Any) -> None:

@@ -111,6 +111,18 @@ class Fault:
         loaded, indexes it and serves it as a hit either way)."""
         return False
 
+    def load_layers(self, engine: ReferenceEngine, request_index: int, block_id: int,
+                    num_layers: int) -> Sequence[int] | None:
+        """The layers the CPU-tier load into ``block_id`` copies back; ``None`` = all."""
+        return None
+
+    def unawaited_layers(self, engine: ReferenceEngine, request_index: int, block_id: int,
+                         num_layers: int) -> int | None:
+        """``None``: the engine waits for the CPU-tier load into ``block_id`` before using
+        it. A count ``k``: the engine serves the block once ``k`` layers are copied, while
+        the load is still in flight (the copy completes after the prefill)."""
+        return None
+
     def release(self, engine: ReferenceEngine, seq: RunningSequence) -> list[int] | None:
         """Release ``seq``'s blocks instead of the engine; ``None`` = the clean release.
         Returns the blocks that left the index (the engine reports them freed)."""
@@ -374,8 +386,9 @@ class TornWrite(Fault):
 
 class FailedLoadAsHit(Fault):
     name = "failed-load-as-hit"
-    description = ("a load from the CPU offload tier fails but is reported done: the block is "
-                   "indexed and served as a hit holding its previous owner's KV (or zeros)")
+    description = ("a load from the CPU offload tier fails (the tier marks the entry failed) "
+                   "but the engine treats it as done: the block is indexed and served as a "
+                   "hit holding its previous owner's KV (or zeros)")
     corrupts_kv = True
     default_probability = 1.0  # a broken tier backend fails every load, not one in a few
     engine_needs = {"cpu_offload_blocks": 512}
@@ -485,3 +498,45 @@ def make_fault(name: str, seed: int = 0, start_after: int | None = None,
 def describe_faults() -> list[tuple[str, str]]:
     """(name, one-line description) of every fault, in registry order."""
     return [(name, cls.description) for name, cls in FAULTS.items()]
+
+
+# ---------------------------------------------------------------------- offload-tier faults
+# (the CPU tier's state machine and async loads: tier.py; failed-load-as-hit is above)
+class PartialLoad(Fault):
+    name = "partial-load"
+    description = ("a CPU-tier load copies back only its first layers and reports the block "
+                   "loaded: the other layers keep the destination's previous bytes")
+    corrupts_kv = True
+    default_probability = 0.5
+    engine_needs = {"cpu_offload_blocks": 512}
+
+    def load_layers(self, engine: ReferenceEngine, request_index: int, block_id: int,
+                    num_layers: int) -> Sequence[int] | None:
+        if num_layers < 2 or not (self.active(request_index) and self.chance()):
+            return None
+        copied = self.rng.randrange(1, num_layers)
+        self.record(request_index, block_id, f"load copied layers 0..{copied - 1} of "
+                                             f"{num_layers}, reported loaded")
+        return range(copied)
+
+
+class TornAsyncCopy(Fault):
+    name = "torn-async-copy"
+    description = ("the engine serves a CPU-tier block without awaiting its async load: the "
+                   "request (and a capture at match time) reads it while still loading, its "
+                   "later layers holding the previous bytes; the copy completes afterwards")
+    corrupts_kv = True
+    default_probability = 1.0  # a scheduler that skips the wait skips it on every load
+    engine_needs = {"cpu_offload_blocks": 512}
+
+    def unawaited_layers(self, engine: ReferenceEngine, request_index: int, block_id: int,
+                         num_layers: int) -> int | None:
+        if not (self.active(request_index) and self.chance()):
+            return None
+        copied = self.rng.randrange(num_layers)
+        self.record(request_index, block_id, f"served while loading, {copied} of "
+                                             f"{num_layers} layers copied")
+        return copied
+
+
+FAULTS.update({cls.name: cls for cls in (PartialLoad, TornAsyncCopy)})
