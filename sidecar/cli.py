@@ -6,6 +6,7 @@ Subcommands:
   signals   list the exported signals (``--markdown`` prints the README table)
   vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
   bench     benchmarks (``bench detection``)
+  evidence  list and open the anomaly evidence records (``evidence show ID --plot out.png``)
 
 Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
 """
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.canary.cli import add_parser as add_canary_parser
 
     add_canary_parser(sub)
+
+    from sidecar.evidence_cli import add_parser as add_evidence_parser
+
+    add_evidence_parser(sub)
     return p
 
 
@@ -200,6 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.canary.cli import run_canary
 
             return run_canary(args)
+        if args.command == "evidence":
+            from sidecar.evidence_cli import EvidenceError, run_evidence
+
+            try:
+                return run_evidence(args)
+            except EvidenceError as exc:
+                raise UsageError(str(exc)) from None
         parser.print_help()
         return 2
     except (UsageError, MissingExtra) as exc:
