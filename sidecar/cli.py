@@ -56,6 +56,15 @@ _port = _bounded(int, 0, 65535)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _otlp_endpoint(text: str) -> str:
+    from sidecar.otel_push import parse_endpoint
+
+    try:
+        return parse_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kv-sidecar",
@@ -94,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON evidence file per anomaly here")
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
+    d.add_argument("--otlp-endpoint", type=_otlp_endpoint, default=None, metavar="URL",
+                   help="push every signal and one span per verification over OTLP/HTTP "
+                        "protobuf to this receiver, e.g. http://127.0.0.1:4318 (needs the "
+                        "otlp extra)")
+    d.add_argument("--otlp-interval", type=_bounded(float, 0.1), default=10.0,
+                   metavar="SECONDS", help="metric push interval (default: 10)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     tolerance.add_arguments(d)
 
@@ -149,6 +164,8 @@ def cmd_signals(markdown: bool) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     require("demo")
+    if args.otlp_endpoint:
+        require("otlp")
     from sidecar.demo import DemoOptions, format_summary, run_demo
     from sidecar.engines.reference.faults import FAULTS
 
@@ -158,7 +175,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
-                       otel=args.otel, progress=not args.quiet,
+                       otel=args.otel, otlp_endpoint=args.otlp_endpoint,
+                       otlp_interval_s=args.otlp_interval, progress=not args.quiet,
                        sidecar=tolerance.config_fields(args))
     summary = run_demo(opts)
     if args.json:

@@ -49,6 +49,10 @@ class SidecarConfig:
     tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
     calibration_samples: int = 0
     calibration_multiple: float = 4.0
+    # OTLP push (sidecar.otel_push, engineer ops): the receiver's base URL (None: off) and
+    # the metric push interval; spans go out as verifications finish.
+    otlp_endpoint: str | None = None
+    otlp_interval_s: float = 10.0
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",

@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bench": ("demo", ("transformers",)),
     "vllm": ("events", ("zmq", "msgpack")),
     "hf-reference": ("hf", ("transformers",)),
+    "otlp": ("otlp", ("opentelemetry.exporter.otlp.proto.http",)),
 }
 
 
