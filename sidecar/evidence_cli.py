@@ -9,6 +9,7 @@ is not what its record says, nothing to plot).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -184,7 +185,7 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
              f"({heat.block_tokens} tokens each)",
              "|cached - recomputed| / rms(recomputed)",
              "tile: layer x head; rows K, V; columns: tokens"]
-    png, _, _, vmax = render(heat, title)
+    png, lay, _, vmax = render(heat, title)
     try:
         Path(out).write_bytes(png)
     except OSError as exc:
@@ -194,7 +195,7 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
     return {"path": out, "layer": layer, "head": head, "kv": ("K", "V")[kv],
             "token": token, "block": heat.blocks[token // heat.block_tokens],
             "value": float(flat[layer, head, kv, token]), "tolerance": heat.tolerance,
-            "scale_top": vmax}
+            "scale_top": vmax, "layout": dataclasses.asdict(lay)}
 
 
 def _directory(value: str | None) -> Path:
