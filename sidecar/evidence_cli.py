@@ -75,7 +75,8 @@ def run_evidence(args: argparse.Namespace) -> int:
         if "plot" in out:
             p = out["plot"]
             print(f"plot written to {p['path']}: hottest cell layer {p['layer']} head "
-                  f"{p['head']} {p['kv']} token {p['token']} (block #{p['block']}), "
+                  f"{p['head']} {p['kv']} token {p['token']} of block #{p['block']} "
+                  f"(hit position {p['position']}), "
                   f"{p['value']:.3g} x rms vs tolerance {p['tolerance']}")
     return 0
 
@@ -181,7 +182,7 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
         raise EvidenceError(f"record {rec['seq']} cannot be plotted: {exc}") from None
     checks = ",".join(rec.get("checks") or [])
     title = [f"kv-sidecar evidence #{rec['seq']}  {checks}",
-             f"group {heat.group}  blocks {','.join(map(str, heat.blocks))}  "
+             f"group {heat.group}  hit blocks #{',#'.join(map(str, heat.blocks))}  "
              f"({heat.block_tokens} tokens each)",
              "|cached - recomputed| / rms(recomputed)",
              "tile: layer x head; rows K, V; columns: tokens"]
@@ -192,8 +193,10 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
         raise EvidenceError(f"cannot write {out}: {exc}") from None
     flat = heat.values.nan_to_num(nan=float("inf"))
     layer, head, kv, token = (int(i) for i in torch.unravel_index(flat.argmax(), flat.shape))
+    block = heat.blocks[token // heat.block_tokens]
+    within = token % heat.block_tokens
     return {"path": out, "layer": layer, "head": head, "kv": ("K", "V")[kv],
-            "token": token, "block": heat.blocks[token // heat.block_tokens],
+            "token": within, "block": block, "position": block * heat.block_tokens + within,
             "value": float(flat[layer, head, kv, token]), "tolerance": heat.tolerance,
             "scale_top": vmax, "layout": dataclasses.asdict(lay)}
 

@@ -156,9 +156,10 @@ def render(heat: Heat, title: list[str]) -> tuple[bytes, Layout, list[RGB], floa
     levels: list[list[list[list[int]]]] = scaled.round().to(torch.int64).tolist()
     for layer in range(layers):
         _, y = lay.cell_origin(layer, 0, 0, 0)
-        c.text(12, y, f"L{layer} K" if lay.cell_h >= 5 else f"L{layer}", scale=1)
+        scale = 2 if lay.cell_h >= 10 else 1
+        c.text(12, y, f"L{layer} K" if lay.cell_h >= 5 else f"L{layer}", scale=scale)
         if lay.cell_h >= 5:
-            c.text(12 + text_width(f"L{layer} ", 1), y + lay.cell_h, "V", scale=1)
+            c.text(12 + text_width(f"L{layer} ", scale), y + lay.cell_h, "V", scale=scale)
         for head in range(heads):
             for kv in (0, 1):
                 row = levels[layer][head][kv]

@@ -128,6 +128,7 @@ def test_plot_hottest_cell_is_the_corrupted_position(tmp_path, capsys, seed) -> 
     assert sorted(cells.values())[-2] < tol_level < cells[hottest]
     assert (plot["layer"], plot["head"], plot["kv"], plot["token"]) == \
         (layer, head, "KV"[part], token)
+    assert (plot["block"], plot["position"]) == (1, BS + token)
 
 
 def test_sigkill_at_20_random_moments_leaves_no_partial_record(tmp_path) -> None:
@@ -209,3 +210,32 @@ def test_cli_errors_are_exit_2(tmp_path, capsys) -> None:
     (tmp_path / "anomaly-00000001.safetensors").write_bytes(b"tampered")
     assert main(["evidence", "show", "1", "--dir", str(tmp_path)]) == 2
     assert "SHA-256" in capsys.readouterr().err
+
+
+def test_reference_engine_fault_evidence_plots_its_worst_cell(tmp_path, capsys) -> None:
+    """The real path: the demo's reference engine (a random-init Llama) with a storage
+    fault, evidence on disk, `evidence show --plot` on it; the hottest cell the plot names is
+    the largest normalised difference computed here from the safetensors, independently."""
+    assert main(["demo", "--fault", "storage-downcast", "--requests", "60", "--quiet",
+                 "--port", "0", "--json", "--evidence-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    out = _show(tmp_path, capsys, "--plot", str(tmp_path / "p.png"))
+    rec, plot = out["record"], out["plot"]
+    assert rec["engine"] == "reference" and "recompute_mismatch" in rec["checks"]
+    st = pytest.importorskip("safetensors.torch")
+    tensors = st.load_file(str(tmp_path / rec["tensors"]["file"]))
+    best = (-1.0, None)
+    for name in tensors:
+        g, b, side, part = name.split(".")
+        if side != "cached":
+            continue
+        ref = tensors[f"{g}.{b}.recomputed.{part}"]
+        rms = float(ref.norm()) / ref.numel() ** 0.5
+        diff = (tensors[name] - ref).abs().amax(dim=3) / rms  # layers x heads x tokens
+        v, flat = diff.max(), int(diff.argmax())
+        if float(v) > best[0]:
+            layer, rest = divmod(flat, diff.shape[1] * diff.shape[2])
+            head, token = divmod(rest, diff.shape[2])
+            best = (float(v), (int(b[1:]), layer, head, part[0].upper(), token))
+    assert (plot["block"], plot["layer"], plot["head"], plot["kv"], plot["token"]) == best[1]
+    assert plot["value"] == pytest.approx(best[0], rel=1e-5) and plot["value"] > plot["tolerance"]
