@@ -128,3 +128,28 @@ def test_receiver_down_is_logged_not_raised() -> None:
     push.shutdown()
     assert push.metrics.failures >= 1
     assert time.monotonic() - started < 10
+
+
+def test_adapter_owned_families_go_through_otlp_too() -> None:
+    """The vLLM, canary and LMCache adapters register their own families where they run;
+    each (counter, gauge, histogram, with its labels) reaches the receiver as well."""
+    from sidecar.metrics import Metrics
+
+    owned = [s for group in S.ADAPTER_SIGNALS.values() for s in group]
+    metrics = Metrics("vllm", "m", extra_signals=owned)
+    for sig in owned:
+        labels = {name: "x" for name in sig.labels}
+        if sig.type is S.MetricType.COUNTER:
+            metrics.inc(sig, 2, **labels)
+        elif sig.type is S.MetricType.HISTOGRAM:
+            metrics.observe(sig, 0.01, **labels)
+        else:
+            metrics.gauge(sig, **labels).set(3)
+    with OtlpReceiver() as rx:
+        push = OtlpPush(metrics.registry, rx.url, interval_s=60)
+        push.shutdown()
+        got = rx.metrics()
+    assert [s.name for s in owned if _otel_name(s) not in got] == []
+    assert {s.name for s in S.ALL_SIGNALS} == {s.name for s in (*S.core_signals(), *owned)}
+    point = got[owned[0].base_name].sum.data_points[0]
+    assert point.as_double == 2
