@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "otlp extra)")
     d.add_argument("--otlp-interval", type=_bounded(float, 0.1), default=10.0,
                    metavar="SECONDS", help="metric push interval (default: 10)")
+    d.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"),
+                   default="http/protobuf",
+                   help="OTLP transport (grpc: host:port, needs the otlp-grpc extra)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     tolerance.add_arguments(d)
 
@@ -165,7 +168,13 @@ def cmd_signals(markdown: bool) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     require("demo")
     if args.otlp_endpoint:
-        require("otlp")
+        from sidecar.otel_push import check_endpoint
+
+        try:
+            check_endpoint(args.otlp_endpoint, args.otlp_protocol)
+        except ValueError as exc:
+            raise UsageError(f"--otlp-endpoint: {exc}") from None
+        require("otlp-grpc" if args.otlp_protocol == "grpc" else "otlp")
     from sidecar.demo import DemoOptions, format_summary, run_demo
     from sidecar.engines.reference.faults import FAULTS
 
@@ -176,7 +185,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
                        otel=args.otel, otlp_endpoint=args.otlp_endpoint,
-                       otlp_interval_s=args.otlp_interval, progress=not args.quiet,
+                       otlp_interval_s=args.otlp_interval,
+                       otlp_protocol=args.otlp_protocol, progress=not args.quiet,
                        sidecar=tolerance.config_fields(args))
     summary = run_demo(opts)
     if args.json:

@@ -53,6 +53,7 @@ class SidecarConfig:
     # the metric push interval; spans go out as verifications finish.
     otlp_endpoint: str | None = None
     otlp_interval_s: float = 10.0
+    otlp_protocol: str = "http/protobuf"  # or "grpc" (sidecar.otel_push.PROTOCOLS)
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",

@@ -36,6 +36,7 @@ class DemoOptions:
     otel: str = "none"
     otlp_endpoint: str | None = None  # OTLP/HTTP push of metrics and spans (sidecar.otel_push)
     otlp_interval_s: float = 10.0
+    otlp_protocol: str = "http/protobuf"
     progress: bool = True
     num_blocks: int = 256
     # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
@@ -94,7 +95,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     push = None
     if opts.otlp_endpoint:
         from sidecar.otel_push import start_otlp_push
-        push = start_otlp_push(monitor, opts.otlp_endpoint, opts.otlp_interval_s)
+        push = start_otlp_push(monitor, opts.otlp_endpoint, opts.otlp_interval_s,
+                               opts.otlp_protocol)
     server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port,
                            health=lambda: monitor_health(monitor)).start()
     if opts.progress:

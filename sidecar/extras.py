@@ -25,6 +25,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm": ("events", ("zmq", "msgpack")),
     "hf-reference": ("hf", ("transformers",)),
     "otlp": ("otlp", ("opentelemetry.exporter.otlp.proto.http",)),
+    "otlp-grpc": ("otlp-grpc", ("opentelemetry.exporter.otlp.proto.grpc", "grpc")),
 }
 
 

@@ -9,6 +9,9 @@ readers of what the sidecar already has, nothing new on the engine's thread:
   verified sample (already finished: start = end - the verifier's duration), batched by the
   SDK's ``BatchSpanProcessor`` and pushed to ``ENDPOINT/v1/traces`` from its own thread.
 
+``protocol="grpc"`` sends both over OTLP/gRPC to the same ``host:port`` instead (the
+``otlp-grpc`` extra: grpcio); an ``http://`` endpoint is then a plaintext channel.
+
 A span says what was verified and how it went, never what the user wrote: the attributes are
 counts, block ids, group ids, check names and the verdict (:data:`SPAN_ATTRIBUTES`); token
 ids and key-field values stay out. Collector trouble is the SDK's to retry and log: it never
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPAN_NAME = "kvsidecar.verify"
+PROTOCOLS = ("http/protobuf", "grpc")  # the OTEL_EXPORTER_OTLP_PROTOCOL spellings
 # Every attribute a verification span carries (the receiver test checks exactly these).
 SPAN_ATTRIBUTES = (
     "kvsidecar.kind",           # what was verified: "hit" (a sampled hit) unless the sample says
@@ -70,6 +74,16 @@ def parse_endpoint(url: str) -> str:
     for suffix in ("/v1/metrics", "/v1/traces"):
         path = path.removesuffix(suffix)
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def check_endpoint(endpoint: str, protocol: str) -> None:
+    """:class:`ValueError` when ``endpoint`` (already parsed) cannot be used with
+    ``protocol``: gRPC addresses a ``host:port``, no path."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"OTLP protocol must be one of {', '.join(PROTOCOLS)}, got "
+                         f"{protocol!r}")
+    if protocol == "grpc" and urllib.parse.urlsplit(endpoint).path:
+        raise ValueError(f"an OTLP/gRPC endpoint is host:port, without a path: {endpoint!r}")
 
 
 def verdict_label(verdict: Verdict) -> str:
@@ -122,24 +136,18 @@ class OtlpPush:
 
     def __init__(self, registry: CollectorRegistry, endpoint: str, interval_s: float = 10.0,
                  resource_attributes: Mapping[str, str] | None = None,
-                 timeout_s: float = 5.0) -> None:
-        require("otlp")
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter,
-        )
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+                 timeout_s: float = 5.0, protocol: str = "http/protobuf") -> None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self.endpoint = parse_endpoint(endpoint)
-        self.metrics = OtelExporter(
-            registry, OTLPMetricExporter(endpoint=f"{self.endpoint}/v1/metrics",
-                                         timeout=timeout_s),
-            interval_s=interval_s, resource_attributes=resource_attributes)
+        self.protocol = protocol
+        metric_exporter, span_exporter = _exporters(protocol, self.endpoint, timeout_s)
+        self.metrics = OtelExporter(registry, metric_exporter, interval_s=interval_s,
+                                    resource_attributes=resource_attributes)
         self.provider = TracerProvider(resource=self.metrics.resource)
         self.provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=f"{self.endpoint}/v1/traces", timeout=timeout_s),
-            schedule_delay_millis=max(100, int(interval_s * 1000 / 2))))
+            span_exporter, schedule_delay_millis=max(100, int(interval_s * 1000 / 2))))
         self.spans = VerificationSpans(self.provider)
 
     def start(self) -> OtlpPush:
@@ -155,10 +163,39 @@ class OtlpPush:
         self.metrics.shutdown()
 
 
-def start_otlp_push(monitor: Monitor, endpoint: str, interval_s: float = 10.0) -> OtlpPush:
+def _exporters(protocol: str, endpoint: str, timeout_s: float) -> tuple[Any, Any]:
+    """The SDK's OTLP metric and span exporters for ``protocol``."""
+    if protocol == "http/protobuf":
+        require("otlp")
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter,
+        )
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return (OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", timeout=timeout_s),
+                OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", timeout=timeout_s))
+    if protocol == "grpc":
+        require("otlp-grpc")
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcMetricExporter,
+        )
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        check_endpoint(endpoint, protocol)
+        parts = urllib.parse.urlsplit(endpoint)
+        target, insecure = parts.netloc, parts.scheme == "http"
+        return (GrpcMetricExporter(endpoint=target, insecure=insecure, timeout=timeout_s),
+                GrpcSpanExporter(endpoint=target, insecure=insecure, timeout=timeout_s))
+    raise ValueError(f"OTLP protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+
+
+def start_otlp_push(monitor: Monitor, endpoint: str, interval_s: float = 10.0,
+                    protocol: str = "http/protobuf") -> OtlpPush:
     """Push ``monitor``'s signals and a span per verification to ``endpoint``."""
     push = OtlpPush(monitor.metrics.registry, endpoint, interval_s,
                     {"kvsidecar.engine": monitor.info.engine,
-                     "kvsidecar.model": monitor.info.model})
+                     "kvsidecar.model": monitor.info.model}, protocol=protocol)
     monitor.reporter.listeners.append(push.spans.on_verdict)
     return push.start()

@@ -110,3 +110,46 @@ def _value(v: Any) -> Any:
     if kind == "array_value":
         return [_value(x) for x in v.array_value.values]
     return getattr(v, kind) if kind else None
+
+
+class OtlpGrpcReceiver(OtlpReceiver):
+    """The same receiver over OTLP/gRPC (grpcio's server and opentelemetry-proto's service
+    stubs); decoded requests land where the HTTP receiver puts them."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as mg
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tg
+
+        self.requests = {path: [] for path in _ROUTES}
+        self.content_types = {"application/grpc"}
+        self.rejected = 0
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Metrics(mg.MetricsServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                with receiver.lock:
+                    receiver.requests["/v1/metrics"].append(request)
+                return ExportMetricsServiceResponse()
+
+        class Traces(tg.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                with receiver.lock:
+                    receiver.requests["/v1/traces"].append(request)
+                return ExportTraceServiceResponse()
+
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        mg.add_MetricsServiceServicer_to_server(Metrics(), self.server)
+        tg.add_TraceServiceServicer_to_server(Traces(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> OtlpGrpcReceiver:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(grace=None)

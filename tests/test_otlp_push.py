@@ -111,6 +111,12 @@ def test_bad_endpoint_is_a_usage_error(bad: str, capsys) -> None:
     assert "--otlp-endpoint" in err and "OTLP endpoint" in err
 
 
+def test_grpc_endpoint_with_a_path_is_a_usage_error(capsys) -> None:
+    assert main(["demo", "--otlp-protocol", "grpc", "--otlp-endpoint",
+                 "http://127.0.0.1:4317/v1/metrics/x"]) == 2
+    assert "host:port" in capsys.readouterr().err
+
+
 def test_endpoint_paths() -> None:
     assert parse_endpoint("http://127.0.0.1:4318/") == "http://127.0.0.1:4318"
     assert parse_endpoint("http://127.0.0.1:4318/v1/metrics") == "http://127.0.0.1:4318"
@@ -153,3 +159,31 @@ def test_adapter_owned_families_go_through_otlp_too() -> None:
     assert {s.name for s in S.ALL_SIGNALS} == {s.name for s in (*S.core_signals(), *owned)}
     point = got[owned[0].base_name].sum.data_points[0]
     assert point.as_double == 2
+
+
+def test_grpc_receiver_sees_the_same_signals_and_spans() -> None:
+    pytest.importorskip("grpc")
+    from tests.otlp_receiver import OtlpGrpcReceiver
+
+    engine, mon = build(DemoOptions(fault="zero-block", sample_every=2, port=0,
+                                    progress=False, num_blocks=64))
+    verdicts = []
+    with OtlpGrpcReceiver() as rx:
+        push = start_otlp_push(mon, rx.url, interval_s=60, protocol="grpc")
+        mon.reporter.listeners.append(verdicts.append)
+        mon.start()
+        try:
+            drive(engine, ChatWorkload(WorkloadConfig(seed=0, conversations=10,
+                                                      block_size=engine.block_size)),
+                  max_requests=30)
+            mon.drain(timeout_s=60)
+        finally:
+            mon.stop()
+            push.shutdown()
+        got, spans = rx.metrics(), rx.spans()
+    assert [s.name for s in S.core_signals()
+            if _otel_name(s) not in got and s.name not in (
+                S.RECOMPUTE_NOISE_FLOOR.name, S.RECOMPUTE_ERROR_DRIFT.name)] == []
+    assert got[S.LOOKUPS.base_name].sum.data_points[0].as_double == 30
+    assert len(spans) == len(verdicts) > 0
+    assert all(set(a) == set(SPAN_ATTRIBUTES) for _, a in spans)
