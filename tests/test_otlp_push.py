@@ -187,3 +187,24 @@ def test_grpc_receiver_sees_the_same_signals_and_spans() -> None:
     assert got[S.LOOKUPS.base_name].sum.data_points[0].as_double == 30
     assert len(spans) == len(verdicts) > 0
     assert all(set(a) == set(SPAN_ATTRIBUTES) for _, a in spans)
+
+
+def test_a_failing_verdict_listener_never_breaks_reporting() -> None:
+    from tests.conftest import make_toy
+
+    engine, _, mon = make_toy()
+    calls = []
+
+    def broken(verdict) -> None:
+        calls.append(verdict)
+        raise RuntimeError("span exporter bug")
+
+    mon.reporter.listeners.append(broken)
+    prompt = list(range(1, 17))
+    engine.serve(prompt)
+    engine.kv[engine.index[tuple(prompt)]][0].zero_()
+    mon.verify(engine.serve(prompt + [3]))
+    mon.verify(engine.serve(prompt + [4]))
+    assert len(calls) == 2
+    assert mon.metrics.value(S.ANOMALIES.name, group="0", kind="zeros") >= 1
+    assert mon.reporter._listener_errors == 2
