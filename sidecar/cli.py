@@ -7,6 +7,7 @@ Subcommands:
   vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
   bench     benchmarks (``bench detection``)
   config    check a configuration file, show the effective configuration
+  evidence  list and open the anomaly evidence records (``evidence show ID --plot out.png``)
 
 Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
 """
@@ -57,6 +58,15 @@ _port = _bounded(int, 0, 65535)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _otlp_endpoint(text: str) -> str:
+    from sidecar.otel_push import parse_endpoint
+
+    try:
+        return parse_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kv-sidecar",
@@ -95,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON evidence file per anomaly here")
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
+    d.add_argument("--otlp-endpoint", type=_otlp_endpoint, default=None, metavar="URL",
+                   help="push every signal and one span per verification over OTLP/HTTP "
+                        "protobuf to this receiver, e.g. http://127.0.0.1:4318 (needs the "
+                        "otlp extra)")
+    d.add_argument("--otlp-interval", type=_bounded(float, 0.1), default=10.0,
+                   metavar="SECONDS", help="metric push interval (default: 10)")
+    d.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"),
+                   default="http/protobuf",
+                   help="OTLP transport (grpc: host:port, needs the otlp-grpc extra)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     tolerance.add_arguments(d)
 
@@ -119,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.canary.cli import add_parser as add_canary_parser
 
     add_canary_parser(sub)
+
+    from sidecar.evidence_cli import add_parser as add_evidence_parser
+
+    add_evidence_parser(sub)
 
     from sidecar.config_cli import add_config_arguments
     from sidecar.config_cli import add_parser as add_config_parser
@@ -156,6 +179,14 @@ def cmd_signals(markdown: bool) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     require("demo")
+    if args.otlp_endpoint:
+        from sidecar.otel_push import check_endpoint
+
+        try:
+            check_endpoint(args.otlp_endpoint, args.otlp_protocol)
+        except ValueError as exc:
+            raise UsageError(f"--otlp-endpoint: {exc}") from None
+        require("otlp-grpc" if args.otlp_protocol == "grpc" else "otlp")
     from sidecar.demo import DemoOptions, format_summary, run_demo
     from sidecar.engines.reference.faults import FAULTS
 
@@ -165,7 +196,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
-                       otel=args.otel, progress=not args.quiet,
+                       otel=args.otel, otlp_endpoint=args.otlp_endpoint,
+                       otlp_interval_s=args.otlp_interval,
+                       otlp_protocol=args.otlp_protocol, progress=not args.quiet,
                        sidecar={**args.sidecar_overrides, **tolerance.config_fields(args)})
     summary = run_demo(opts)
     if args.json:
@@ -220,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.canary.cli import run_canary
 
             return run_canary(args)
+        if args.command == "evidence":
+            from sidecar.evidence_cli import EvidenceError, run_evidence
+
+            try:
+                return run_evidence(args)
+            except EvidenceError as exc:
+                raise UsageError(str(exc)) from None
         parser.print_help()
         return 2
     except (UsageError, MissingExtra) as exc:

@@ -34,6 +34,9 @@ class DemoOptions:
     pace_s: float = 0.0
     evidence_dir: str | None = None
     otel: str = "none"
+    otlp_endpoint: str | None = None  # OTLP/HTTP push of metrics and spans (sidecar.otel_push)
+    otlp_interval_s: float = 10.0
+    otlp_protocol: str = "http/protobuf"
     progress: bool = True
     num_blocks: int = 256
     # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
@@ -89,6 +92,11 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     if opts.otel == "console":
         from sidecar.otel import OtelExporter, console_exporter
         otel = OtelExporter(monitor.metrics.registry, console_exporter()).start()
+    push = None
+    if opts.otlp_endpoint:
+        from sidecar.otel_push import start_otlp_push
+        push = start_otlp_push(monitor, opts.otlp_endpoint, opts.otlp_interval_s,
+                               opts.otlp_protocol)
     server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port,
                            health=lambda: monitor_health(monitor)).start()
     if opts.progress:
@@ -134,6 +142,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         server.stop()
         if otel is not None:
             otel.shutdown()
+        if push is not None:
+            push.shutdown()
 
 
 def demo_extras(engine: ReferenceEngine, opts: DemoOptions,

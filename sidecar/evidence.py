@@ -10,10 +10,17 @@ hostile input can no longer do:
   renamed, and the directory fsynced. On start a ``.tmp`` left by a kill is recovered when
   it is a complete record of its own number (parses, ``seq`` matches, no final file yet)
   and deleted otherwise: deterministic, whatever the moment of the kill;
+* separate a record from its tensors: the cached and recomputed KV of the offending blocks
+  go to ``anomaly-N.safetensors`` (:mod:`sidecar.safetensors_io`), written to a ``.tmp``
+  and fsynced *before* the JSON; the tensors are renamed first and the JSON's rename is
+  the commit. On start a tensor file without its record is deleted, and a record ``.tmp``
+  is recovered only with its tensors (size and SHA-256 as the record states): a record and
+  its tensors appear together or not at all;
 * grow without bound: the directory keeps at most ``capacity`` records *and*
-  ``max_bytes`` bytes, oldest first; every string, list and map in a record is capped
-  (:data:`MAX_FIELD_CHARS`, :data:`MAX_ITEMS`), so one 5 MB key field cannot make every
-  record 5 MB;
+  ``max_bytes`` bytes (records and tensors), oldest first, and one record's tensors are
+  at most ``max_tensor_bytes`` (else skipped, saying so); every string, list and map in a
+  record is capped (:data:`MAX_FIELD_CHARS`, :data:`MAX_ITEMS`), so one 5 MB key field
+  cannot make every record 5 MB;
 * leak user data: files are 0600, token ids are stored as a digest unless
   ``include_tokens`` is set, and key fields that are secrets (a cache salt, a token) are
   stored as an unsalted SHA-256 prefix, enough to tell two values apart, not to read one.
@@ -36,7 +43,11 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sidecar import safetensors_io
+
 if TYPE_CHECKING:
+    import torch
+
     from sidecar.verifier import Verdict
 
 log = logging.getLogger(__name__)
@@ -47,6 +58,21 @@ MAX_DEPTH = 6
 SECRET_FIELD = re.compile(r"salt|token|secret|password|auth|key$", re.IGNORECASE)
 _NAME = re.compile(r"^anomaly-(\d{8,})\.json$")
 _TMP = re.compile(r"^anomaly-(\d{8,})\.json\.tmp$")
+_TENSORS = re.compile(r"^anomaly-(\d{8,})\.safetensors(\.tmp)?$")
+
+
+def record_name(seq: int) -> str:
+    return f"anomaly-{seq:08d}.json"
+
+
+def tensors_name(seq: int) -> str:
+    return f"anomaly-{seq:08d}.safetensors"
+
+
+def tensor_key(group_id: int, index: int, side: str, part: str) -> str:
+    """The safetensors name of one tensor: ``g{group}.b{index}.{cached|recomputed}.{key|value}``
+    (``index``: the block's position in the hit)."""
+    return f"g{group_id}.b{index}.{side}.{part}"
 
 
 def digest(value: object) -> str:
@@ -81,9 +107,11 @@ def redact_key_fields(fields: Any) -> dict[str, Any]:
 
 class EvidenceLog:
     def __init__(self, capacity: int = 100, directory: str | os.PathLike[str] | None = None,
-                 include_tokens: bool = False, max_bytes: int = 64 * 2**20) -> None:
+                 include_tokens: bool = False, max_bytes: int = 64 * 2**20,
+                 max_tensor_bytes: int | None = None) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
+        self.max_tensor_bytes = max_bytes // 4 if max_tensor_bytes is None else max_tensor_bytes
         self.directory = Path(directory) if directory is not None else None
         self.include_tokens = include_tokens
         self._records: deque[dict[str, Any]] = deque(maxlen=capacity)
@@ -105,35 +133,70 @@ class EvidenceLog:
             m = _TMP.match(entry.name)
             if m is not None:
                 self._settle_tmp(Path(entry.path), int(m.group(1)))
-        for entry in os.scandir(self.directory):
-            m = _NAME.match(entry.name)
+        names = {e.name: e for e in os.scandir(self.directory)}
+        for name, entry in names.items():
+            m = _TENSORS.match(name)
+            if m is not None and (m.group(2) or record_name(int(m.group(1))) not in names):
+                Path(entry.path).unlink(missing_ok=True)  # tensors without their record
+                self.discarded += 1
+        for name, entry in names.items():
+            m = _NAME.match(name)
             if m is not None:
-                self._files[int(m.group(1))] = entry.stat().st_size
+                seq = int(m.group(1))
+                tensors = self.directory / tensors_name(seq)
+                self._files[seq] = entry.stat().st_size + (
+                    tensors.stat().st_size if tensors.exists() else 0)
         self._seq = max(self._files, default=0)
         self._prune()
         _fsync_dir(self.directory)
 
     def _settle_tmp(self, tmp: Path, seq: int) -> None:
         final = tmp.with_name(f"anomaly-{seq:08d}.json")
+        tensors = tmp.with_name(tensors_name(seq))
+        tensors_tmp = tensors.with_name(tensors.name + ".tmp")
         try:
             rec = json.loads(tmp.read_bytes())
             complete = isinstance(rec, dict) and rec.get("seq") == seq
         except (OSError, ValueError):
             complete = False
         try:
-            if complete and not final.exists():
+            if complete and not final.exists() and self._tensors_ready(rec, tensors,
+                                                                         tensors_tmp):
                 os.replace(tmp, final)
                 self.recovered += 1
             else:
                 tmp.unlink()
+                tensors_tmp.unlink(missing_ok=True)
                 self.discarded += 1
         except OSError as exc:
             log.warning("evidence: cannot settle leftover %s: %s", tmp, exc)
 
+    @staticmethod
+    def _tensors_ready(rec: dict[str, Any], tensors: Path, tensors_tmp: Path) -> bool:
+        """Whether the tensors a recovered record names are complete (renaming the ``.tmp``
+        into place when the kill came between the two renames)."""
+        want = rec.get("tensors")
+        if not isinstance(want, dict) or "file" not in want:
+            return True
+        for candidate in (tensors, tensors_tmp):
+            try:
+                data = candidate.read_bytes()
+            except OSError:
+                continue
+            if len(data) == want.get("bytes") and \
+                    hashlib.sha256(data).hexdigest() == want.get("sha256"):
+                if candidate is tensors_tmp:
+                    os.replace(tensors_tmp, tensors)
+                return True
+        return False
+
     # ------------------------------------------------------------------ records
     def record(self, verdict: Verdict, engine: str, model: str,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One anomalous verdict: what fired where, the key, the error statistics and
+        (as safetensors) the bytes of the condemned blocks, served and recomputed."""
         hit = verdict.sample.hit
+        epochs = verdict.sample.epochs
         tokens = list(hit.tokens[: hit.hit_tokens])
         rec: dict[str, Any] = {
             "time": time.time(),
@@ -143,20 +206,30 @@ class EvidenceLog:
             "tokens_digest": hashlib.blake2b(array("q", tokens).tobytes(),
                                              digest_size=16).hexdigest(),
             "key_fields": redact_key_fields(hit.key_fields),
-            "blocks": [{"group": r.group_id, "index": r.index, "block_id": r.block_id}
+            "block_size_tokens": _block_tokens(verdict),
+            "blocks": [{"group": r.group_id, "index": r.index, "block_id": r.block_id,
+                        "epoch": epochs.get(r), "generation": _generation(hit, r),
+                        "condemned": r in verdict.kv}
                        for r in verdict.sample.refs],
+            "checks": sorted({f.kind.value for f in verdict.findings}),
             "findings": [{"kind": f.kind.value, "group": f.group_id, "index": f.block_index,
                           "detail": f.detail, "value": f.value} for f in verdict.findings],
+            "errors": {"tolerance": verdict.tolerance, "max_error": verdict.max_error,
+                       "per_block": [{"group": g, "error": e} for g, e in verdict.errors],
+                       "duration_s": verdict.duration_s},
             **(extra or {}),
         }
         if self.include_tokens:
             rec["tokens"] = tokens
-        return self.add(rec)
+        return self.add(rec, block_tensors(verdict))
 
-    def add(self, rec: dict[str, Any]) -> dict[str, Any]:
+    def add(self, rec: dict[str, Any],
+            tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Keep a record built elsewhere (allocator invariant violations carry no verdict):
-        capped, numbered, bounded and written durably like every other."""
+        capped, numbered, bounded and written durably like every other. ``tensors`` go to
+        the record's safetensors file, written before the record and bound to it."""
         rec = cap(rec)
+        blob = self._tensor_blob(rec, tensors)
         rec.setdefault("time", time.time())
         with self._lock:
             self._seq += 1
@@ -164,7 +237,7 @@ class EvidenceLog:
             self._records.append(rec)
             if self.directory is not None:
                 try:
-                    self._write(rec)
+                    self._write(rec, blob)
                 except OSError as exc:
                     self.write_errors += 1
                     if self.write_errors == 1 or self.write_errors % 1000 == 0:
@@ -172,21 +245,42 @@ class EvidenceLog:
                                     rec["seq"], self.write_errors, exc)
         return rec
 
-    def _write(self, rec: dict[str, Any]) -> None:
+    def _tensor_blob(self, rec: dict[str, Any],
+                     tensors: dict[str, torch.Tensor] | None) -> bytes | None:
+        """The safetensors bytes for ``rec`` (its ``tensors`` entry says what they are, or
+        why there are none); no directory, no tensors, no bytes."""
+        if not tensors or self.directory is None:
+            return None
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self.max_tensor_bytes:
+            rec["tensors"] = {"skipped": f"{size} bytes > max_tensor_bytes "
+                                         f"{self.max_tensor_bytes}"}
+            return None
+        try:
+            blob = safetensors_io.dumps(tensors, {"format": "kv-sidecar evidence"})
+        except (TypeError, RuntimeError) as exc:
+            rec["tensors"] = {"skipped": f"not serialisable: {exc}"}
+            return None
+        rec["tensors"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+                          "names": sorted(tensors)[:MAX_ITEMS]}
+        return blob
+
+    def _write(self, rec: dict[str, Any], blob: bytes | None = None) -> None:
         assert self.directory is not None
         seq = rec["seq"]
-        final = self.directory / f"anomaly-{seq:08d}.json"
+        final = self.directory / record_name(seq)
         tmp = final.with_name(final.name + ".tmp")
+        tensors = self.directory / tensors_name(seq)
+        if blob is not None:
+            rec["tensors"]["file"] = tensors.name
+            _write_synced(tensors.with_name(tensors.name + ".tmp"), blob)
         body = json.dumps(rec, indent=1, default=str).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(tmp, body)
+        if blob is not None:  # tensors first: the record's rename is the commit
+            os.replace(tensors.with_name(tensors.name + ".tmp"), tensors)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
-        self._files[seq] = len(body)
+        self._files[seq] = len(body) + (len(blob) if blob is not None else 0)
         self._prune()
 
     def _prune(self) -> None:
@@ -199,7 +293,9 @@ class EvidenceLog:
                 break
             if len(self._files) == 1:
                 break
-            (self.directory / f"anomaly-{seq:08d}.json").unlink(missing_ok=True)
+            # the record first: a kill in between leaves tensors the next start deletes
+            (self.directory / record_name(seq)).unlink(missing_ok=True)
+            (self.directory / tensors_name(seq)).unlink(missing_ok=True)
             total -= self._files.pop(seq)
 
     def recent(self, n: int = 10) -> list[dict[str, Any]]:
@@ -211,6 +307,39 @@ class EvidenceLog:
         """Sequence numbers of the records on disk, oldest first."""
         with self._lock:
             return sorted(self._files)
+
+
+def block_tensors(verdict: Verdict) -> dict[str, torch.Tensor]:
+    """The served and (where it ran) recomputed K and V of each condemned block."""
+    out: dict[str, torch.Tensor] = {}
+    for ref, (served, reference) in verdict.kv.items():
+        for side, kv in (("cached", served), ("recomputed", reference)):
+            if kv is not None:
+                out[tensor_key(ref.group_id, ref.index, side, "key")] = kv.key
+                out[tensor_key(ref.group_id, ref.index, side, "value")] = kv.value
+    return out
+
+
+def _generation(hit: Any, ref: Any) -> int | None:
+    gens = hit.generations.get(ref.group_id) if hasattr(hit, "generations") else None
+    return int(gens[ref.index]) if gens is not None and ref.index < len(gens) else None
+
+
+def _block_tokens(verdict: Verdict) -> int | None:
+    for served, _ in verdict.kv.values():
+        return int(served.key.shape[2]) if served.key.dim() == 4 else None
+    return None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -24,6 +24,8 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bench": ("demo", ("transformers",)),
     "vllm": ("events", ("zmq", "msgpack")),
     "hf-reference": ("hf", ("transformers",)),
+    "otlp": ("otlp", ("opentelemetry.exporter.otlp.proto.http",)),
+    "otlp-grpc": ("otlp-grpc", ("opentelemetry.exporter.otlp.proto.grpc", "grpc")),
 }
 
 

@@ -39,6 +39,10 @@ class VerdictReporter:
         self.first_anomaly_request: int | None = None
         self.max_recompute_error = 0.0
         self.last_verification: float | None = None
+        # Readers of every verdict (OTLP spans, sidecar.otel_push): called last, each
+        # failure logged and swallowed, so a listener can never break the reporting.
+        self.listeners: list[Callable[[Verdict], None]] = []
+        self._listener_errors = 0
 
     def _group(self, group_id: int) -> str:
         # Only groups the engine described become label values: a verdict naming another
@@ -78,6 +82,14 @@ class VerdictReporter:
             self.sampler.feedback(verdict.sample.hit, verdict.anomalous)
         except Exception:
             log.exception("sampler feedback failed (ignored)")
+        for listener in self.listeners:
+            try:
+                listener(verdict)
+            except Exception:
+                self._listener_errors += 1
+                if self._listener_errors == 1 or self._listener_errors % 1000 == 0:
+                    log.exception("verdict listener failed (#%d, ignored)",
+                                  self._listener_errors)
 
     def _anomalous(self, verdict: Verdict) -> None:
         if self.first_anomaly_request is None:

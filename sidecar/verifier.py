@@ -64,6 +64,10 @@ class Verdict:
     max_error: float | None = None  # largest recompute error seen (for noise-floor reports)
     errors: list[tuple[int, float]] = field(default_factory=list)  # (group_id, error) per block
     duration_s: float = 0.0
+    # The bytes behind each condemned block, for the evidence (sidecar.evidence): what was
+    # served and, where the recompute ran, the reference (None: condemned before it).
+    kv: dict[BlockRef, tuple[BlockKV, BlockKV | None]] = field(default_factory=dict)
+    tolerance: float | None = None  # the recompute tolerance the comparison used
 
     @property
     def anomalous(self) -> bool:
@@ -194,6 +198,7 @@ class Verifier:
             if found:
                 condemned.add(ref)
                 verdict.findings.extend(found)
+                verdict.kv[ref] = (block, None)
             else:
                 passed.append(block)
 
@@ -246,9 +251,11 @@ class Verifier:
             verdict.errors.append((block.ref.group_id, err))
             verdict.verified.append(block.ref)
             tol = cal.tolerance(kind)
+            verdict.tolerance = tol
             passed = err <= tol
             cal.observe(kind, err, passed)
             if not passed:
+                verdict.kv[block.ref] = (block, ref_kv)
                 verdict.findings.append(Finding(
                     AnomalyKind.RECOMPUTE_MISMATCH, block.ref.group_id, block.ref.index,
                     f"normalized error {err:.3g} > tolerance {tol:.3g} "

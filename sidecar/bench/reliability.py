@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from sidecar import signals as S
+from sidecar.bench.evidence_kill import kill_cycles
 from sidecar.bench.floods import good_lookup, hook_flood, http_flood, label_flood, reference
 from sidecar.bench.fuzz import FuzzResult, fuzz_events, fuzz_hooks, fuzz_http, fuzz_probe
 
@@ -132,71 +127,6 @@ def adapter_faults(requests: int, seed: int = 0) -> FuzzResult:
         while mon.guard.stuck and time.monotonic() < deadline:
             time.sleep(0.05)
     res.tried += f" ({', '.join(f'{k}={v}' for k, v in sorted(faulty.injected.items()))})"
-    return res
-
-
-# ---------------------------------------------------------------- SIGKILL cycles
-_WRITER = """
-import sys
-from sidecar.evidence import EvidenceLog
-log = EvidenceLog(capacity=int(sys.argv[2]), directory=sys.argv[1])
-run = int(sys.argv[3])
-i = 0
-while True:
-    rec = log.add({"kind": "kill-test", "run": run, "i": i, "pad": "x" * (i % 700)})
-    print(rec["seq"], run, i, flush=True)
-    i += 1
-"""
-
-
-def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0) -> FuzzResult:
-    """SIGKILL a process writing evidence at a random moment, restart, check the
-    directory: every file a complete record of its own number, nothing overwritten,
-    nothing acknowledged lost inside the retention window, no ``.tmp`` left after a
-    restart, the count within capacity."""
-    from sidecar.evidence import EvidenceLog
-
-    rng = random.Random(seed)
-    res = FuzzResult("evidence_sigkill", f"SIGKILL/restart cycles writing evidence into one "
-                                         f"directory (capacity {capacity})")
-    seen: dict[int, tuple[int, int]] = {}  # seq -> (run, i) acknowledged by a writer
-    with tempfile.TemporaryDirectory(prefix="kvsidecar-kill-") as d:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        for run in range(cycles):
-            res.cases += 1
-            proc = subprocess.Popen([sys.executable, "-c", _WRITER, d, str(capacity),
-                                     str(run)], stdout=subprocess.PIPE, env=env, text=True)
-            time.sleep(rng.uniform(0.15, 0.5))
-            os.kill(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate(timeout=30)
-            for line in out.splitlines():
-                seq, r, i = (int(x) for x in line.split())
-                if seq in seen and seen[seq] != (r, i):
-                    res.lost += 1  # the same number acknowledged twice: an overwrite
-                seen[seq] = (r, i)
-            log = EvidenceLog(capacity=capacity, directory=d)  # the restart
-            names = os.listdir(d)
-            bad = [n for n in names if not n.endswith(".json")]
-            top = max(seen, default=0)
-            ondisk: dict[int, tuple[int, int]] = {}
-            for n in names:
-                if not n.endswith(".json"):
-                    continue
-                try:
-                    rec = json.loads(Path(d, n).read_text())
-                    ondisk[int(rec["seq"])] = (rec["run"], rec["i"])
-                    if n != f"anomaly-{rec['seq']:08d}.json":
-                        bad.append(n)
-                except (ValueError, KeyError, OSError):
-                    bad.append(n)  # a partial record
-            for seq, who in ondisk.items():
-                if seq in seen and seen[seq] != who:
-                    res.lost += 1  # an acknowledged record overwritten
-            window = [s for s in seen if s > top - capacity + 1]
-            res.lost += sum(1 for s in window if s not in ondisk) + len(bad)
-            if len(ondisk) <= capacity and not bad:
-                res.survived += 1
-            del log
     return res
 
 
