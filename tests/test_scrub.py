@@ -11,23 +11,25 @@ import pytest
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, drive
+from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import TierState
 from sidecar.scrub import RecomputeBudget, Scrubber, ScrubSettings
-from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
+from tests.reference_helpers import SMALL_POOL
 
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.
 QUIET = SidecarConfig(sample_every=10**6, dispatch="inline", allocator_every_s=0,
                       recompute_tokens_per_s=0, scrub_idle_s=0, scrub_blocks_per_tick=8,
                       scrub_tokens_per_minute=1e9, scrub_seed=7)
+# A few conversations: enough resident blocks with real prefixes, in about a second.
+WARM = WorkloadConfig(conversations=8, max_turns=4)
 
 
 def _warm(config: SidecarConfig = QUIET) -> tuple[ReferenceEngine, Monitor]:
     engine = ReferenceEngine(EngineConfig(num_blocks=SMALL_POOL))
     monitor = Monitor(ReferenceAdapter(engine), config)
     engine.sink = monitor
-    drive(engine, ChatWorkload(SMALL_WORKLOAD))
+    drive(engine, ChatWorkload(WARM))
     monitor.journal.drain()
     return engine, monitor
 
