@@ -358,6 +358,6 @@ def scrub_alert_rules(cfg: MixinConfig) -> list[Alert]:
 _alert_rules_before_scrub = alert_rules
 
 
-def alert_rules(cfg: MixinConfig) -> list[Alert]:  # noqa: F811 - extended by the scrub block
+def alert_rules(cfg: MixinConfig) -> list[Alert]:  # the rules above, then the scrub's
     return [*_alert_rules_before_scrub(cfg), *scrub_alert_rules(cfg)]
 # --- end of the scrub block.

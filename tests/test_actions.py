@@ -136,7 +136,7 @@ def test_breaker_count_starts_over_on_an_anomalous_probe() -> None:
 
 
 def test_actions_are_off_by_default_and_say_so() -> None:
-    engine, monitor = _setup(replace(EVERY_HIT))
+    _engine, monitor = _setup(replace(EVERY_HIT))
     assert monitor.actions.breaker is None and monitor.actions.quarantine is None
     assert monitor.scrubber is None and monitor.hits_allowed is True
     for action in ("quarantine", "breaker"):

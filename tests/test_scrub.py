@@ -106,7 +106,7 @@ def test_budget_bucket_never_runs_ahead_of_its_rate() -> None:
 
 
 def test_a_tick_is_skipped_under_load() -> None:
-    engine, monitor = _warm(replace(QUIET, scrub=True))
+    _engine, monitor = _warm(replace(QUIET, scrub=True))
     scrubber = monitor.scrubber
     assert scrubber is not None
     adapter = monitor.adapter
@@ -152,7 +152,7 @@ def test_replicas_scrub_in_different_orders() -> None:
 
 
 def test_blocks_seen_in_a_sampled_hit_are_left_to_the_hit_path() -> None:
-    engine, monitor = _warm(replace(QUIET, sample_every=1, scrub=True, scrub_idle_s=3600))
+    _engine, monitor = _warm(replace(QUIET, sample_every=1, scrub=True, scrub_idle_s=3600))
     scrubber = monitor.scrubber
     assert scrubber is not None
     scrubber.run_pass()
@@ -160,7 +160,7 @@ def test_blocks_seen_in_a_sampled_hit_are_left_to_the_hit_path() -> None:
 
 
 def test_without_the_capability_nothing_is_scrubbed_and_it_is_counted() -> None:
-    engine, monitor = _warm()
+    _engine, monitor = _warm()
 
     class Plain:  # the reference adapter minus scrub_hit
         def __init__(self, inner: ReferenceAdapter) -> None:
