@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.canary.cli import add_parser as add_canary_parser
 
     add_canary_parser(sub)
+
+    from sidecar.actions_demo import add_parser as add_actions_demo_parser
+
+    add_actions_demo_parser(sub)  # background scrub, quarantine + breaker (engineer scrub)
     return p
 
 
@@ -200,6 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.canary.cli import run_canary
 
             return run_canary(args)
+        if args.command == "actions-demo":
+            require("demo")
+            from sidecar.actions_demo import run as run_actions_demo
+
+            return run_actions_demo(args)
         parser.print_help()
         return 2
     except (UsageError, MissingExtra) as exc:

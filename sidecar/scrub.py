@@ -96,21 +96,25 @@ def replica_seed() -> int:
 
 class RecomputeBudget:
     """Tokens per minute as a bucket refilled continuously, holding at most one tick's
-    worth. A block costing more than the bucket holds may run when the bucket is full and
-    leaves it in debt, so over any run of ``T`` seconds the scrub spends at most
-    ``rate * T`` plus one bucket plus one block: the measured rate converges to the budget
-    from below, never drifts above it."""
+    worth, and starting empty (a start is not a free burst). A block costing more than the
+    bucket holds may run when the bucket is full and leaves it in debt, so over any run of
+    ``T`` seconds the scrub spends at most ``rate * T`` plus one block: the measured rate
+    converges to the budget from below, never drifts above it."""
 
     def __init__(self, tokens_per_minute: float, capacity: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = tokens_per_minute / 60.0
         self.capacity = max(capacity, 1.0)
         self._clock = clock
-        self._tokens = self.capacity
-        self._at = clock()
         self._spent: deque[tuple[float, int]] = deque()  # (time, tokens) over the last minute
+        self.restart()
+
+    def restart(self) -> None:
+        """Empty, with the measurement starting now (the scrub's start)."""
+        self._tokens = 0.0
+        self._at = self.started = self._clock()
+        self._spent.clear()
         self.spent_total = 0
-        self.started = clock()
 
     def _refill(self) -> float:
         now = self._clock()
@@ -391,6 +395,7 @@ class Scrubber:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         s = self.settings
+        self.budget.restart()
         self._scheduler = BackgroundScheduler(daemon=True, job_defaults={
             "coalesce": True, "max_instances": 1,
             "misfire_grace_time": max(1, int(s.every_s))})

@@ -155,3 +155,12 @@ def test_a_failing_evict_is_counted_never_raised() -> None:
     _serve(engine, prompt)
     assert monitor.metrics.value(S.QUARANTINED.name, result="error") == 1
     assert _anomalies(monitor) == 1
+
+
+def test_actions_demo_refuses_bad_input_with_exit_code_2(capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    from sidecar.cli import main
+
+    assert main(["actions-demo", "--requests", "0"]) == 2
+    assert "--requests" in capsys.readouterr().out
+    assert main(["actions-demo", "--scenario", "scrub", "--budget", "-5"]) == 2
