@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -209,10 +210,10 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     for name in ("requests", "corrupt"):
         if getattr(args, name) < 1:
-            print(f"kv-sidecar: error: --{name} must be >= 1")
+            print(f"kv-sidecar: error: --{name} must be >= 1", file=sys.stderr)
             return 2
     if not args.seconds > 0 or not args.budget > 0:
-        print("kv-sidecar: error: --seconds and --budget must be > 0")
+        print("kv-sidecar: error: --seconds and --budget must be > 0", file=sys.stderr)
         return 2
     opts = ActionsDemoOptions(scenario=args.scenario, requests=args.requests, seed=args.seed,
                               corrupt=args.corrupt, seconds=args.seconds, budget=args.budget)

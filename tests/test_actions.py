@@ -162,5 +162,5 @@ def test_actions_demo_refuses_bad_input_with_exit_code_2(capsys: pytest.CaptureF
     from sidecar.cli import main
 
     assert main(["actions-demo", "--requests", "0"]) == 2
-    assert "--requests" in capsys.readouterr().out
+    assert "--requests" in capsys.readouterr().err
     assert main(["actions-demo", "--scenario", "scrub", "--budget", "-5"]) == 2
