@@ -176,7 +176,7 @@ class Scrubber:
         self._pos = 0
         self._done: set[Key] = set()
         self._last_done: set[Key] = set()
-        self._applying = False
+        self._own = threading.local()  # .applying: this thread reports a scrub verdict now
         self.passes = 0
         self.started_at = time.time()
         self.last_pass: float | None = None
@@ -200,7 +200,7 @@ class Scrubber:
         hit = verdict.sample.hit
         now = self._clock()
         with self._lock:
-            if not self._applying:
+            if not getattr(self._own, "applying", False):  # the scrub's own: not a hit
                 for gid, ids in hit.blocks.items():
                     for b in ids:
                         _remember(self._recent, (gid, int(b)), now)
@@ -337,12 +337,11 @@ class Scrubber:
         verdict = self.verifier.verify(Sample(hit, (ref,), records, time.time(), epochs))
         with self._lock:
             self._done.add(key)
-            self._applying = True
+        self._own.applying = True
         try:
             mon.apply(verdict)  # signals, evidence, listeners (the breaker's probes)
         finally:
-            with self._lock:
-                self._applying = False
+            self._own.applying = False
         result = ("anomalous" if verdict.findings
                   else "clean" if verdict.verified else "dropped")
         m.inc(S.SCRUB_VERIFIED, result=result)

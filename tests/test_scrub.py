@@ -183,3 +183,35 @@ def test_bad_settings_are_refused_naming_the_key(field: str, value: float) -> No
     engine = ReferenceEngine(EngineConfig(num_blocks=8))
     with pytest.raises(ValueError, match=field):
         Monitor(ReferenceAdapter(engine), replace(QUIET, scrub=True, **{field: value}))
+
+
+def test_the_scheduled_scrub_finds_it_too_and_stops_cleanly() -> None:
+    """The real APScheduler job (jitter, max_instances=1, coalesce): waits for the finding
+    (up to 30 s on a loaded machine), asserts nothing about how long it took."""
+    import time
+
+    engine, monitor = _warm(replace(QUIET, scrub=True, scrub_every_s=0.05,
+                                    scrub_jitter_s=0.02, dispatch="queued"))
+    bad = _cached_deep_block(engine)
+    engine.pool.value[1, bad, 1, 0] -= 0.5
+    monitor.start()
+    try:
+        scrubber = monitor.scrubber
+        assert scrubber is not None and scrubber.alive
+        deadline = time.monotonic() + 30
+        while _anomalies(monitor) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        monitor.stop()
+    assert not scrubber.alive
+    assert monitor.metrics.value(S.ANOMALIES.name, group="full",
+                                 kind="recompute_mismatch") == 1
+    assert monitor.metrics.value(S.SCRUB_RECOMPUTE_TOKENS.name) > 0
+
+
+def test_the_overdue_alert_takes_its_threshold_from_signals() -> None:
+    from alerts.rules import MixinConfig, alert_rules
+
+    rule = next(a for a in alert_rules(MixinConfig()) if a.name == "KVSidecarScrubOverdue")
+    assert f"> {S.THRESHOLDS.scrub_pass_overdue_seconds:g})" in rule.expr
+    assert S.SCRUB_LAST_PASS.name in rule.expr
