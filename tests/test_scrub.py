@@ -14,7 +14,8 @@ from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import TierState
-from sidecar.scrub import RecomputeBudget, Scrubber, ScrubSettings
+from sidecar.scrub import Scrubber, ScrubSettings
+from sidecar.scrub_budget import RecomputeBudget
 from tests.reference_helpers import SMALL_POOL
 
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.
