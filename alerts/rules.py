@@ -336,3 +336,28 @@ def rule_groups(cfg: MixinConfig | None = None) -> dict[str, object]:
         {"name": "kv-sidecar.rules", "rules": records},
         {"name": "kv-sidecar.alerts", "rules": alerts},
     ]}
+
+
+# --- background scrub (sidecar/scrub.py; engineer scrub): one self-contained block that
+# appends its alert to alert_rules(). A scrub that stops completing passes is silent
+# otherwise: idle entries go unverified while every other signal looks calm.
+def scrub_alert_rules(cfg: MixinConfig) -> list[Alert]:
+    t = THRESHOLDS
+    last = _Q(cfg).sel(S.SCRUB_LAST_PASS)
+    return [Alert(
+        "KVSidecarScrubOverdue",
+        f"(time() - {last} > {t.scrub_pass_overdue_seconds:g}) and {last} > 0", "15m",
+        WARNING,
+        "kv-sidecar's background scrub is overdue ({{ $labels.instance }}).",
+        f"No background scrub pass has completed for {{{{ $value | humanizeDuration }}}} "
+        f"{_WHERE} (threshold {duration(t.scrub_pass_overdue_seconds)}): cache entries "
+        "nobody hits are not being re-verified. The scrub is skipped under load, starved "
+        "by its recompute budget, or stuck.")]
+
+
+_alert_rules_before_scrub = alert_rules
+
+
+def alert_rules(cfg: MixinConfig) -> list[Alert]:  # the rules above, then the scrub's
+    return [*_alert_rules_before_scrub(cfg), *scrub_alert_rules(cfg)]
+# --- end of the scrub block.

@@ -210,3 +210,51 @@ dashboard = Dashboard(
         ("Fleet", fleet),
     ]),
 ).auto_panel_ids()
+
+# --- scrub and actions (sidecar/scrub.py, sidecar/actions.py; engineer scrub): one row
+# appended under the others. What the protective actions are doing (off by default) and
+# whether the background scrub keeps up with the resident set within its budget.
+scrub_actions = [
+    (stat("Action state", "Protective actions switched on (1) or off (0, the default), and "
+          "whether the circuit breaker is open now: while it is, the engine serves no cache "
+          "hits (every lookup a miss) until M clean probes close it.", "short",
+          [(f"max by (action) ({sel(S.ACTION_ENABLED)})", "{{action}} on"),
+           (f"max({sel(S.BREAKER_OPEN)})", "breaker open")],
+          steps("green", (ANY, "orange")), decimals=0), 6, 6),
+    (timeseries("Hit rate and the breaker", "The token hit rate next to the breaker state "
+                "and its probes: the hit rate dips to 0 while the breaker is open and "
+                "recovers when it closes.", "percentunit",
+                [(token_hit_rate, "hit rate (tokens)"),
+                 (f"max({sel(S.BREAKER_OPEN)})", "breaker open"),
+                 (f"{rate(S.BREAKER_PROBES, 'result')} > 0", "probes/s {{result}}"),
+                 (f"{rate(S.QUARANTINED)} > 0", "quarantined blocks/s")]),
+     6, 6),
+    (timeseries("Scrub recompute rate vs budget", "Tokens the scrub recomputed over the "
+                "last minute (measured) against its budget per minute: at the line the "
+                "scrub is budget-bound.", "short",
+                [(f"sum by (instance) ({sel(S.SCRUB_RECOMPUTE_RATE)})", "{{instance}} used"),
+                 (f"max({sel(S.SCRUB_BUDGET)})", "budget")]), 6, 6),
+    (timeseries("Scrub pass progress and coverage", "How far the current pass is, the "
+                "share of the resident set verified in this pass or the last, and the age "
+                "of the last completed pass against KVSidecarScrubOverdue.", "percentunit",
+                [(f"max by (instance) ({sel(S.SCRUB_PROGRESS)})", "{{instance}} progress"),
+                 (f"max by (instance) ({sel(S.SCRUB_COVERAGE)})", "{{instance}} coverage")]),
+     6, 6),
+]
+
+
+def _append_row(board: Dashboard, title: str,
+                panels: list[tuple[object, int, int]]) -> Dashboard:
+    """``board`` with one more row laid out below its lowest panel."""
+    from attr import evolve
+    from grafanalib.core import GridPos
+
+    bottom = max(p.gridPos.y + p.gridPos.h for p in board.panels)
+    extra = layout([(title, panels)])  # type: ignore[list-item]
+    for p in extra:
+        g = p.gridPos
+        p.gridPos = GridPos(h=g.h, w=g.w, x=g.x, y=g.y + bottom)
+    return evolve(board, panels=[*board.panels, *extra]).auto_panel_ids()
+
+dashboard = _append_row(dashboard, "Scrub and actions", scrub_actions)
+# --- end of the scrub and actions block.

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(sub)
     for name in CONFIGURED:
         add_config_arguments(sub.choices[name])
+    from sidecar.actions_demo import add_parser as add_actions_demo_parser
+
+    add_actions_demo_parser(sub)  # background scrub, quarantine + breaker (engineer scrub)
     return p
 
 
@@ -260,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_evidence(args)
             except EvidenceError as exc:
                 raise UsageError(str(exc)) from None
+        if args.command == "actions-demo":
+            require("demo")
+            from sidecar.actions_demo import run as run_actions_demo
+
+            return run_actions_demo(args)
         parser.print_help()
         return 2
     except (UsageError, MissingExtra) as exc:

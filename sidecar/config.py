@@ -51,6 +51,28 @@ class SidecarConfig:
     tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
     calibration_samples: int = 0
     calibration_multiple: float = 4.0
+    # Background scrub (sidecar/scrub.py; engineer scrub): off by default. A tick every
+    # scrub_every_s (+ up to scrub_jitter_s, randomised per replica) re-verifies up to
+    # scrub_blocks_per_tick resident blocks not hit for scrub_idle_s, within
+    # scrub_tokens_per_minute recomputed tokens, and only while at most scrub_max_pending
+    # samples wait for the verifier. scrub_seed: None = derived from host and pid.
+    scrub: bool = False
+    scrub_every_s: float = 10.0
+    scrub_jitter_s: float = 2.0
+    scrub_blocks_per_tick: int = 4
+    scrub_tokens_per_minute: float = 60_000.0
+    scrub_idle_s: float = 30.0
+    scrub_max_pending: int = 0
+    scrub_seed: int | None = None
+    # Protective actions (sidecar/actions.py; engineer scrub): each off by default.
+    # quarantine: evict a block found bad (adapter capability evict). breaker: after
+    # breaker_anomalies anomalous verdicts within breaker_window_s, stop serving hits until
+    # breaker_probes clean verifications in a row complete while it is open.
+    quarantine: bool = False
+    breaker: bool = False
+    breaker_anomalies: int = 3
+    breaker_window_s: float = 60.0
+    breaker_probes: int = 5
 
     def validate(self) -> None:
         """Every field against :data:`LIMITS` (the one table the config file, the

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import hook_input as HI
 from sidecar import signals as S
+from sidecar.actions import Actions, ActionSettings
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp
 from sidecar.calibration import Calibration, calibration_config
 from sidecar.config import SidecarConfig
@@ -49,6 +50,7 @@ from sidecar.protocol import (
 )
 from sidecar.report import VerdictReporter
 from sidecar.sampling import Sampler, UniformSampler
+from sidecar.scrub import Scrubber, ScrubSettings
 from sidecar.signals import DropReason, Signal
 from sidecar.store_index import StoreIndex
 from sidecar.summary import p99, summarize
@@ -129,6 +131,21 @@ class Monitor:
         capture = getattr(adapter, "capture", None) if c.capture else None
         self._capture = capture if callable(capture) else None
         self._started = False
+        # Background scrub and protective actions (sidecar/scrub.py, sidecar/actions.py;
+        # off by default): verdict listeners run after each verdict is reported, and the
+        # engine reads ``hits_allowed`` (a plain attribute, O(1)) at lookup: the circuit
+        # breaker clears it while open.
+        self.hits_allowed = True
+        self.verdict_listeners: list[Callable[[Verdict], None]] = []
+        self.actions = Actions(self, ActionSettings.of(c))
+        self.scrubber: Scrubber | None = None
+        if c.scrub or c.breaker:  # the breaker's probes are scrub verifications
+            self.scrubber = scrubber = Scrubber(self, ScrubSettings.of(c))
+            self.verdict_listeners.append(scrubber.on_verdict)
+            breaker = self.actions.breaker
+            if breaker is not None:
+                scrubber.probe_mode = lambda: breaker.open
+        self.verdict_listeners.extend(self.actions.listeners())
 
     def _init_series(self) -> None:
         """Create every labelled series at 0, so rate() and dashboards see a clean zero
@@ -380,10 +397,14 @@ class Monitor:
             self.journal.start()
             self.dispatcher.start()
             self.poller.start()
+            if self.scrubber is not None:
+                self.scrubber.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop polling and the worker; samples still queued are dropped and counted."""
+        if self.scrubber is not None:
+            self.scrubber.stop()
         self.poller.stop(timeout_s)
         self.dispatcher.stop(timeout_s)
         self.journal.stop(timeout_s)
@@ -414,6 +435,11 @@ class Monitor:
         """Turn a verdict into signals, evidence and sampler feedback (sidecar.report)."""
         self.journal.drain()  # the lifecycle in the evidence is complete up to now
         self.reporter.apply(verdict)
+        for listener in self.verdict_listeners:  # scrub, quarantine, breaker
+            try:
+                listener(verdict)
+            except Exception:
+                log.exception("verdict listener failed (ignored)")
 
     def poll_allocator(self) -> AllocatorState | None:
         """Poll the allocator now (sidecar.poller): state, invariants, leak trend."""

@@ -374,3 +374,32 @@ class TierSink(Protocol):
 
     def on_tier(self, group_id: int, block_id: int, state: TierState,
                 seconds: float | None = None) -> None: ...
+
+
+# --- optional capabilities of the background scrub and the protective actions
+# (sidecar/scrub.py, sidecar/actions.py). Checked with isinstance; an adapter without them
+# still gets every other signal (the scrub then counts its candidates as unsupported, a
+# quarantine as unsupported). Called off the engine's hot path, under the time limit.
+@runtime_checkable
+class ScrubSource(Protocol):
+    """Optional adapter capability: rebuild a :class:`Hit` for a block nobody is hitting,
+    so the background scrub can verify it like a sampled hit."""
+
+    def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
+        """A hit ending with ``block_id`` (its full prefix tokens, the block ids and
+        generations of the prefix, the key fields it was stored under), or ``None`` when
+        the block is not indexed any more, is held by a live sequence now (being hit: not
+        the scrub's business), or its prefix cannot be rebuilt. Must take the engine's lock
+        only for bookkeeping, never for a forward."""
+        ...
+
+
+@runtime_checkable
+class Evictor(Protocol):
+    """Optional adapter capability (quarantine): drop blocks from the engine's prefix
+    index so later requests recompute them instead of hitting them. Blocks held by live
+    sequences stay where they are for them; only the index entry goes."""
+
+    def evict(self, group_id: int, block_ids: Sequence[int]) -> int:
+        """Remove ``block_ids`` from the index; returns how many were removed."""
+        ...

@@ -420,6 +420,9 @@ class Thresholds:
     # Recent recompute errors at this multiple of the calibrated noise floor (the tolerance
     # sits at calibration_multiple, 4 by default): the distribution moved, no block failed yet.
     recompute_error_drift: float = 2.0
+    # A background scrub pass not completed for this long (while a scrub runs) warns
+    # (KVSidecarScrubOverdue; sidecar/scrub.py). Keep it above a pass's expected duration.
+    scrub_pass_overdue_seconds: float = 3600.0
 
 
 THRESHOLDS = Thresholds()
@@ -471,3 +474,72 @@ HOOK_INPUT_REJECTED = _s("hook_input_rejected_total", C,
                          "negative, absurd, inconsistent), by hook and reason.",
                          ("hook", "reason"))
 ALL_SIGNALS = (*ALL_SIGNALS, HOOK_INPUT_REJECTED)
+
+# --- background scrub (sidecar/scrub.py) and protective actions (sidecar/actions.py).
+# Appended to ALL_SIGNALS like the blocks above. Bounded labels: reason (ScrubSkip),
+# action (Action), result (fixed sets in the help text), group (a few cache groups).
+class ScrubSkip(enum.StrEnum):
+    """The value of the ``reason`` label of :data:`SCRUB_SKIPPED`."""
+
+    LOAD = "load"  # a tick skipped: verifier queue not empty or the engine busy
+    BUDGET = "budget"  # the recompute budget per minute is spent until it refills
+    RECENTLY_HIT = "recently_hit"  # in a sampled hit within scrub_idle_s: the hit path checks it
+    # The adapter declined: held by a live sequence now, no longer indexed, or its full
+    # prefix cannot be rebuilt.
+    UNAVAILABLE = "unavailable"
+    UNSUPPORTED = "unsupported"  # the adapter has no scrub_hit capability
+    ADAPTER_ERROR = "adapter_error"  # scrub_hit raised
+
+
+class Action(enum.StrEnum):
+    """The value of the ``action`` label of :data:`ACTION_ENABLED`."""
+
+    QUARANTINE = "quarantine"
+    BREAKER = "breaker"
+
+
+SCRUB_VERIFIED = _s("scrub_verified_blocks_total", C,
+                    "Resident blocks the background scrub re-verified (not being hit), by "
+                    "result (clean, anomalous, dropped).", ("result",))
+SCRUB_SKIPPED = _s("scrub_skipped_total", C,
+                   "Scrub ticks or candidate blocks skipped, by reason (load, budget, "
+                   "recently_hit, unavailable, unsupported, adapter_error).", ("reason",))
+SCRUB_RECOMPUTE_TOKENS = _s("scrub_recompute_tokens_total", C,
+                            "Tokens the scrub recomputed (its share of the recompute cost).")
+SCRUB_RECOMPUTE_RATE = _s("scrub_recompute_tokens_per_minute", G,
+                          "Tokens the scrub recomputed over the last minute (measured), to "
+                          "compare with its budget.")
+SCRUB_BUDGET = _s("scrub_budget_tokens_per_minute", G,
+                  "The scrub's recompute budget in tokens per minute (configured).")
+SCRUB_PROGRESS = _s("scrub_pass_progress_ratio", G,
+                    "How far the current scrub pass is through the resident set it started "
+                    "with (0..1).", unit="ratio")
+SCRUB_COVERAGE = _s("scrub_coverage_ratio", G,
+                    "Share of the blocks resident now that the scrub verified in this pass or "
+                    "the last one.", unit="ratio")
+SCRUB_LAST_PASS = _s("scrub_last_pass_completed_timestamp_seconds", G,
+                     "Unix time the last scrub pass completed (the scrub's start time until "
+                     "the first pass completes; absent or 0 while no scrub runs).",
+                     unit="seconds")
+SCRUB_PASSES = _s("scrub_passes_total", C, "Scrub passes completed over the resident set.")
+ACTION_ENABLED = _s("action_enabled", G,
+                    "1 where a protective action is switched on (quarantine, breaker), "
+                    "0 where it is off (the default).", ("action",))
+QUARANTINED = _s("quarantined_blocks_total", C,
+                 "Blocks found bad and handed to the adapter's evict, by result (evicted, "
+                 "unsupported, error).", ("result",))
+BREAKER_OPEN = _s("breaker_open", G,
+                  "1 while the cache-bypass circuit breaker is open (the engine serves no "
+                  "prefix hits), 0 while closed.")
+BREAKER_TRIPS = _s("breaker_trips_total", C,
+                   "Times the circuit breaker opened (K anomalies within its window).")
+BREAKER_PROBES = _s("breaker_probes_total", C,
+                    "Verifications that completed while the breaker was open, by result "
+                    "(clean, anomalous): M clean ones in a row close it.", ("result",))
+SCRUB_ACTION_SIGNALS: tuple[Signal, ...] = (
+    SCRUB_VERIFIED, SCRUB_SKIPPED, SCRUB_RECOMPUTE_TOKENS, SCRUB_RECOMPUTE_RATE, SCRUB_BUDGET,
+    SCRUB_PROGRESS, SCRUB_COVERAGE, SCRUB_LAST_PASS, SCRUB_PASSES, ACTION_ENABLED,
+    QUARANTINED, BREAKER_OPEN, BREAKER_TRIPS, BREAKER_PROBES,
+)
+ALL_SIGNALS = (*ALL_SIGNALS, *SCRUB_ACTION_SIGNALS)
+# --- end of the scrub and actions block.

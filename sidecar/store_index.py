@@ -115,3 +115,10 @@ class StoreIndex:
             recs = {r: self._records.get((r.group_id, r.block_id)) for r in refs}
             epochs = {r: self._epochs.get((r.group_id, r.block_id), 0) for r in refs}
         return recs, epochs
+
+    def resident(self) -> list[tuple[int, int, int]]:
+        """``(group_id, block_id, prefix_tokens)`` of every block with a record now, oldest
+        store first: the resident set the background scrub walks (:mod:`sidecar.scrub`).
+        O(records) under the lock; called from the scrub's schedule, never a hook."""
+        with self._lock:
+            return [(g, b, r.prefix_tokens) for (g, b), r in self._records.items()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sidecar.engines.reference.blocks import chain_hash
 from sidecar.engines.reference.engine import GROUP_ID, KEY_FIELD_NAMES, ReferenceEngine
 from sidecar.protocol import (
     AdapterError,
@@ -151,3 +152,56 @@ class ReferenceAdapter:
                 generations=tuple([m.generation for m in metas]),
                 double_frees=pool.release_errors,
             ),)
+
+    # ------------------------------------------------------------------ scrub and actions
+    # Optional capabilities (sidecar.protocol.ScrubSource, Evictor; sidecar/scrub.py and
+    # sidecar/actions.py), plus busy() for the scrub's load check.
+    def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
+        """A hit ending with ``block_id``, rebuilt from the pool's own index: each block's
+        parent is the indexed block one block earlier whose chained hash, extended by this
+        block's tokens and key fields, gives this block's hash. ``None`` when the block is
+        not indexed, is held by a live sequence (being hit now), or a parent is gone."""
+        if group_id != GROUP_ID:
+            return None
+        bs = self._info.block_size
+        engine = self.engine
+        with engine.lock:
+            pool = engine.pool
+            if not 0 <= block_id < pool.num_blocks:
+                return None
+            meta = pool.blocks[block_id]
+            index = pool.lists()[2]
+            if meta.block_hash is None or meta.ref_count > 0 \
+                    or dict(index).get(meta.block_hash) != block_id:
+                return None
+            by_depth: dict[int, list[tuple[bytes, int]]] = {}
+            for h, b in index:
+                by_depth.setdefault(pool.blocks[b].prefix_tokens, []).append((h, b))
+            chain = [block_id]
+            cur = meta
+            while cur.prefix_tokens > 0:
+                parent = next((b for h, b in by_depth.get(cur.prefix_tokens - bs, ())
+                               if chain_hash(h, cur.tokens, cur.key_fields) == cur.block_hash),
+                              None)
+                if parent is None:
+                    return None
+                chain.append(parent)
+                cur = pool.blocks[parent]
+            chain.reverse()
+            tokens = tuple(t for b in chain for t in pool.blocks[b].tokens)
+            generations = tuple(pool.blocks[b].generation for b in chain)
+            key_fields = dict(meta.key_fields)
+        return Hit(tokens=tokens, hit_tokens=len(tokens), blocks={GROUP_ID: tuple(chain)},
+                   generations={GROUP_ID: generations}, key_fields=key_fields)
+
+    def evict(self, group_id: int, block_ids: Sequence[int]) -> int:
+        """Quarantine: the engine drops the blocks from its index (and reports them freed)."""
+        if group_id != GROUP_ID:
+            raise AdapterError(f"reference engine has no cache group {group_id}")
+        return len(self.engine.evict([int(b) for b in block_ids]))
+
+    def busy(self) -> bool:
+        """A full batch of requests is waiting for a slot: the scrub stays out of the way."""
+        stats = self.engine.stats
+        waiting = stats["submitted"] - stats["admitted"] - stats["rejected"]
+        return waiting >= self.engine.config.max_running

@@ -233,6 +233,8 @@ class ReferenceEngine:
             hit_ids = self.pool.lookup(hashes)
             offloaded = (self.tier.match(GROUP_ID, hashes[len(hit_ids):]) if self.tier
                          else [])
+            if not getattr(self.sink, "hits_allowed", True):  # a circuit breaker is open
+                hit_ids, offloaded = [], []  # (sidecar.actions): every lookup is a miss
             self.fault.before_allocate(self, index)
             alloc = self.pool.allocate(needed - len(hit_ids), holder=index, reserve=hit_ids)
             if alloc.ok:
@@ -452,6 +454,24 @@ class ReferenceEngine:
             fn(*args)
         except Exception:
             self.sink_errors[hook] += 1
+
+    def evict(self, block_ids: Sequence[int]) -> list[int]:
+        """Quarantine (sidecar.actions): drop ``block_ids`` from the prefix index so later
+        lookups miss them and recompute. A block a live sequence holds stays its own until
+        released (then it goes to the free list, unindexed); an unreferenced one goes to
+        the free list now. Reported like an eviction (``on_free``). The removed ids."""
+        removed: list[int] = []
+        with self.lock:
+            for b in block_ids:
+                if not 0 <= b < self.pool.num_blocks or not self.pool.uncache(b):
+                    continue
+                removed.append(b)
+                self._digests.pop(b, None)
+                if self.pool.blocks[b].ref_count == 0:
+                    self.pool.push_free(b)
+        if removed:
+            self._emit("on_free", GROUP_ID, tuple(removed))
+        return removed
 
     def hit_rate(self) -> float:
         """Token hit rate so far: hit tokens / prompt tokens looked up."""
