@@ -52,14 +52,6 @@ class ActionSettings:
         return cls(config.quarantine, config.breaker, config.breaker_anomalies,
                    config.breaker_window_s, config.breaker_probes)
 
-    def validate(self) -> None:
-        if self.breaker_anomalies < 1:
-            raise ValueError(f"breaker_anomalies must be >= 1, got {self.breaker_anomalies}")
-        if not self.breaker_window_s > 0:
-            raise ValueError(f"breaker_window_s must be > 0, got {self.breaker_window_s}")
-        if self.breaker_probes < 1:
-            raise ValueError(f"breaker_probes must be >= 1, got {self.breaker_probes}")
-
 
 def bad_blocks(verdict: Verdict) -> dict[int, list[int]]:
     """Group id -> ids of the blocks the verdict's findings condemn, in order, once each."""
@@ -175,7 +167,6 @@ class Actions:
     """The actions a Monitor was configured with, as verdict listeners."""
 
     def __init__(self, monitor: Any, settings: ActionSettings) -> None:
-        settings.validate()
         self.settings = settings
         m = monitor.metrics
         m.gauge(S.ACTION_ENABLED, action=Action.QUARANTINE.value).set(int(settings.quarantine))

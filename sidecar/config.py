@@ -140,4 +140,13 @@ LIMITS: dict[str, Limit] = {
     "dispatch": Limit(choices=MODES),
     "calibration_samples": Limit(low=0),
     "calibration_multiple": Limit(low=1, finite=True),
+    "scrub_every_s": Limit(low=0, low_open=True),
+    "scrub_jitter_s": Limit(low=0),
+    "scrub_blocks_per_tick": Limit(low=1),
+    "scrub_tokens_per_minute": Limit(low=0, low_open=True),
+    "scrub_idle_s": Limit(low=0),
+    "scrub_max_pending": Limit(low=0),
+    "breaker_anomalies": Limit(low=1),
+    "breaker_window_s": Limit(low=0, low_open=True),
+    "breaker_probes": Limit(low=1),
 }

@@ -77,19 +77,6 @@ class ScrubSettings:
                    config.scrub_blocks_per_tick, config.scrub_tokens_per_minute,
                    config.scrub_idle_s, config.scrub_max_pending, config.scrub_seed)
 
-    def validate(self) -> None:
-        if not self.every_s > 0:
-            raise ValueError(f"scrub_every_s must be > 0, got {self.every_s}")
-        if self.jitter_s < 0:
-            raise ValueError(f"scrub_jitter_s must be >= 0, got {self.jitter_s}")
-        if self.blocks_per_tick < 1:
-            raise ValueError(f"scrub_blocks_per_tick must be >= 1, got {self.blocks_per_tick}")
-        if not self.tokens_per_minute > 0:
-            raise ValueError(f"scrub_tokens_per_minute must be > 0, got "
-                             f"{self.tokens_per_minute}")
-        if self.idle_s < 0 or self.max_pending < 0:
-            raise ValueError("scrub_idle_s and scrub_max_pending must be >= 0")
-
 
 def replica_seed() -> int:
     """A seed that differs between replicas (host and process) and is stable within one."""
@@ -102,7 +89,6 @@ class Scrubber:
 
     def __init__(self, monitor: Any, settings: ScrubSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        settings.validate()
         self.monitor = monitor
         self.settings = settings
         self.seed = settings.seed if settings.seed is not None else replica_seed()
