@@ -1,0 +1,187 @@
+"""Checks where the KV lives: the device digest, the capture buffer, ``--device``.
+
+No GPU here (nor in CI): what the CUDA path runs is exercised on CPU tensors (the same torch
+ops, the same verdicts) and, for the capture buffer's slot accounting, on "meta" tensors.
+``scripts/check-gpu.sh`` runs the CUDA branch itself on a GPU box.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from sidecar import signals as S
+from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.capture_buffer import CaptureBuffer
+from sidecar.checks.content import check_content
+from sidecar.checks.device_digest import device_digest
+from sidecar.checks.fingerprint import (
+    DEFAULT_ALGORITHM,
+    check_fingerprint,
+    default_algorithm,
+    kv_digest,
+)
+from sidecar.checks.recompute import check_recompute
+from sidecar.cli import main
+from sidecar.device import DeviceUnavailable, resolve_device
+from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
+from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
+from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.protocol import BlockKV, BlockRef
+from sidecar.signals import AnomalyKind
+from tests.test_capture_epochs import ServedThenRepaired
+
+REF = BlockRef(group_id=0, index=1, block_id=7)
+SHAPE = (2, 2, 16, 8)
+
+
+def _block(dtype: torch.dtype, seed: int = 0) -> BlockKV:
+    g = torch.Generator().manual_seed(seed)
+    return BlockKV(REF, torch.randn(SHAPE, generator=g).to(dtype),
+                   torch.randn(SHAPE, generator=g).to(dtype))
+
+
+def _corruptions(dtype: torch.dtype) -> dict[str, BlockKV]:
+    """The core faults' damage to one block, each on a fresh copy."""
+    out = {"clean": _block(dtype)}
+    b = _block(dtype)
+    b.value.view(torch.int16 if dtype != torch.float32 else torch.int32)[1, 0, 3, 5] ^= 1
+    out["low-bit"] = b
+    b = _block(dtype)
+    b.key.zero_()
+    out["zeros"] = b
+    b = _block(dtype)
+    b.key[0, 1, 4, 2] = float("nan")
+    out["nan"] = b
+    b = _block(dtype)
+    b.value[:] = b.value[:, :, :1]
+    out["degenerate"] = b
+    b = _block(dtype)
+    b.key[:, :, [2, 9]] = b.key[:, :, [9, 2]]  # two tokens swapped
+    out["swap"] = b
+    b = _block(dtype, seed=1)  # another prefix's KV
+    out["other"] = b
+    return out
+
+
+def _verdict(findings: list) -> set[AnomalyKind]:
+    return {f.kind for f in findings}
+
+
+def _through_capture(block: BlockKV) -> BlockKV:
+    """The block as the CUDA path hands it to the checks: copied into a preallocated
+    capture slot (the same buffer code; on CUDA the copy runs on the side stream)."""
+    buf = CaptureBuffer(SHAPE, block.key.dtype, "cpu", slots=2)
+    copies = buf.capture([(block.key, block.value)])
+    assert copies is not None
+    (key, value), = copies
+    return BlockKV(block.ref, key, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_check_gives_the_same_verdict_on_the_device_path(dtype: torch.dtype) -> None:
+    """Content, fingerprint and recompute: host digest vs the device digest, a block in
+    place vs the same block through the capture buffer: identical verdicts on every fault."""
+    clean = _block(dtype)
+    host_digest = kv_digest(clean.key, clean.value, DEFAULT_ALGORITHM)
+    dev_digest = kv_digest(clean.key, clean.value, "poly31x2")
+    tol = 0.05 if dtype != torch.float32 else 1e-4
+    flagged = set()
+    for name, b in _corruptions(dtype).items():
+        c = _through_capture(b)
+        assert _verdict(check_content(b)) == _verdict(check_content(c)), name
+        host = _verdict(check_fingerprint(b, host_digest))
+        assert host == _verdict(check_fingerprint(c, dev_digest)), name
+        assert host == _verdict(check_fingerprint(b, dev_digest)), name
+        assert (_verdict(check_recompute(b, clean, tol))
+                == _verdict(check_recompute(c, clean, tol))), name
+        if host:
+            flagged.add(name)
+    assert flagged == set(_corruptions(dtype)) - {"clean"}  # the fingerprint sees them all
+
+
+def test_device_digest_sees_every_single_word_change() -> None:
+    key, value = _block(torch.float16).key, _block(torch.float16, 2).value
+    base = device_digest(key, value)
+    seen = set()
+    words = key.view(-1).view(torch.int32)
+    for i in range(words.numel()):
+        k = key.clone()
+        k.view(-1).view(torch.int32)[i] ^= 1 << (i % 32)
+        seen.add(device_digest(k, value))
+    assert base not in seen and len(seen) == words.numel()
+    assert device_digest(value, key) != base  # K and V swapped
+    assert device_digest(key[..., :7].contiguous(), value) != base  # odd byte count pads
+
+
+def test_digest_defaults_to_the_device_algorithm_off_the_host() -> None:
+    assert default_algorithm(torch.zeros(1)) == DEFAULT_ALGORITHM
+    assert default_algorithm(torch.zeros(1, device="meta")) == "poly31x2"
+    with pytest.raises(ValueError, match="poly31x2"):
+        kv_digest(torch.zeros(1), torch.zeros(1), "md5-ish")
+
+
+def test_capture_buffer_is_bounded_and_slots_come_back_when_the_sample_goes() -> None:
+    buf = CaptureBuffer((2, 4, 16, 64), torch.bfloat16, "meta", slots=3)
+    src = torch.empty((2, 4, 16, 64), dtype=torch.bfloat16, device="meta")
+    first = buf.capture([(src, src), (src, src)])
+    assert first is not None and buf.free_slots == 1
+    assert first[0][0].device.type == "meta" and first[0][0].shape == src.shape
+    assert buf.capture([(src, src), (src, src)]) is None  # refused, nothing taken
+    assert buf.refused == 1 and buf.free_slots == 1
+    del first
+    gc.collect()
+    assert buf.free_slots == 3
+    with pytest.raises(ValueError, match="shape"):
+        buf.capture([(src[:1], src[:1])])
+
+
+def _run(capture_slots: int, blocks_per_sample: int) -> tuple[Monitor, CaptureBuffer]:
+    engine = ReferenceEngine(EngineConfig(num_blocks=256, kv_digest=True, device="cpu"))
+    engine.fault = ServedThenRepaired()
+    adapter = ReferenceAdapter(engine, capture_slots=capture_slots)
+    assert adapter.capture_buffer is not None
+    mon = Monitor(adapter, SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
+                                         queue_size=10_000, blocks_per_sample=blocks_per_sample,
+                                         allocator_check_min_interval_s=-1),
+                  registry=CollectorRegistry())
+    engine.sink = mon
+    mon.start()
+    drive(engine, ChatWorkload(WorkloadConfig(conversations=8, max_turns=4, seed=3)),
+          max_requests=30)
+    assert mon.drain(timeout_s=300)
+    mon.stop()
+    return mon, adapter.capture_buffer
+
+
+def test_the_served_bytes_are_verified_from_the_capture_buffer() -> None:
+    """A block zeroed while served and repaired right after: only a capture at match time
+    sees it. Through the preallocated buffer, every slot is back once the verifier is done."""
+    mon, buf = _run(capture_slots=64, blocks_per_sample=2)
+    kinds = mon.metrics.by_label(S.ANOMALIES.name, "kind")
+    assert kinds.get(AnomalyKind.ZEROS.value, 0) > 0, kinds
+    assert buf.captured > 0 and buf.refused == 0
+    gc.collect()
+    assert buf.free_slots == buf.num_slots
+
+
+def test_a_full_capture_buffer_refuses_and_the_sample_is_still_verified() -> None:
+    mon, buf = _run(capture_slots=1, blocks_per_sample=4)
+    assert buf.refused > 0
+    assert mon.metrics.value_sum(S.VERIFIED.name) > 0
+
+
+def test_cuda_without_a_device_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceUnavailable, match="no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceUnavailable, match="no CUDA device"):
+        ReferenceEngine(EngineConfig(device="cuda"))
+    with pytest.raises(DeviceUnavailable, match="unsupported device"):
+        resolve_device("xpu")
+    assert main(["demo", "--device", "cuda", "--requests", "1", "--quiet"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
