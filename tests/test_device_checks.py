@@ -185,3 +185,30 @@ def test_cuda_without_a_device_is_a_clear_error(capsys: pytest.CaptureFixture[st
         resolve_device("xpu")
     assert main(["demo", "--device", "cuda", "--requests", "1", "--quiet"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_device_check_measures_on_cpu_and_refuses_a_missing_gpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/check-gpu.sh's module, on tiny blocks on the host (the CUDA run is the
+    script's): every row measured, the capture copies what it was given, the table prints."""
+    from sidecar.bench import gpu_check
+
+    cpu = torch.device("cpu")
+    rows = gpu_check.check_throughput(cpu, 2, (2, 2, 16, 8), 0.0)
+    assert {(r["what"], r["blocks_per_call"]) for r in rows} == {
+        (w, n) for w in ("device copy", "content stats", "digest (poly31x2)",
+                         "recompute compare") for n in (1, 2)}
+    assert all(r["GB_per_s"] > 0 for r in rows)
+    cap = gpu_check.capture_cost(cpu, (2, 2, 16, 8), 2, 2)
+    assert cap["refused"] == 0 and cap["device_us_per_block"] is None
+    table = gpu_check.format_table({
+        "device": "cpu", "torch": torch.__version__, "throughput": rows, "capture": cap,
+        "hooks": {"requests": 1, "sample_every": 1, "detached_req_per_s": 2.0,
+                  "attached_req_per_s": 1.0, "slowdown": 2.0},
+        "detection": [{"fault": "zero-block", "verified": 3, "anomalies": {"zeros": 2},
+                       "ok": True}],
+        "target": {"x_device_copy": 0.5, "met": False}})
+    assert "zeros=2" in table and "slowdown 2.00x" in table and "NOT met" in table
+    if not torch.cuda.is_available():
+        assert gpu_check.main(["--device", "cuda"]) == 3
+        assert "no CUDA device" in capsys.readouterr().err

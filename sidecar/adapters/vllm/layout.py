@@ -261,3 +261,20 @@ def decode_block(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
     if backend == CPU_BACKEND:
         return decode_cpu_block(layers, block_id, block_size)
     return decode_gpu_block(layers, block_id)
+
+
+def reported_layout(vllm_config: object, layer_names: Sequence[str]) -> tuple[str, str | None]:
+    """(attention backend, KVCacheLayout name) as vLLM reports them for these layers: the
+    backend every layer's ``get_attn_backend()`` names and the layout the engine core
+    resolved (``cache_config.kv_cache_layout``). Layers on different backends, or none
+    reported, refuse to start: the decoder is never guessed from a tensor's shape."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))
+    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    if len(names) != 1:
+        raise UnsupportedLayout(f"kv-sidecar probe: the KV cache layers report attention "
+                                f"backends {sorted(names)}; expected exactly one")
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return names.pop(), getattr(cache_config, "kv_cache_layout", None)
