@@ -25,17 +25,23 @@ from sidecar.checks.fingerprint import (
     kv_digest,
 )
 from sidecar.checks.recompute import check_recompute
+from sidecar.checks.structure import check_structure
 from sidecar.cli import main
 from sidecar.device import DeviceUnavailable, resolve_device
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef
+from sidecar.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind
 from sidecar.signals import AnomalyKind
 from tests.test_capture_epochs import ServedThenRepaired
 
 REF = BlockRef(group_id=0, index=1, block_id=7)
 SHAPE = (2, 2, 16, 8)
+
+
+def _info(dtype: torch.dtype) -> EngineInfo:
+    return EngineInfo("t", "m", "r1", str(dtype).removeprefix("torch."), 16, 2, 8,
+                      (CacheGroup(0, GroupKind.FULL_ATTENTION, (0, 1)),))
 
 
 def _block(dtype: torch.dtype, seed: int = 0) -> BlockKV:
@@ -83,8 +89,9 @@ def _through_capture(block: BlockKV) -> BlockKV:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_check_gives_the_same_verdict_on_the_device_path(dtype: torch.dtype) -> None:
-    """Content, fingerprint and recompute: host digest vs the device digest, a block in
-    place vs the same block through the capture buffer: identical verdicts on every fault."""
+    """Content, fingerprint, recompute and structure: host digest vs the device digest, a
+    block in place vs the same block through the capture buffer (and, for structure, on
+    "meta"): identical verdicts on every fault."""
     clean = _block(dtype)
     host_digest = kv_digest(clean.key, clean.value, DEFAULT_ALGORITHM)
     dev_digest = kv_digest(clean.key, clean.value, "poly31x2")
@@ -98,6 +105,10 @@ def test_every_check_gives_the_same_verdict_on_the_device_path(dtype: torch.dtyp
         assert host == _verdict(check_fingerprint(b, dev_digest)), name
         assert (_verdict(check_recompute(b, clean, tol))
                 == _verdict(check_recompute(c, clean, tol))), name
+        meta = BlockKV(b.ref, b.key.to("meta"), b.value.to("meta"))
+        assert (_verdict(check_structure(b, _info(dtype), 2))
+                == _verdict(check_structure(c, _info(dtype), 2))
+                == _verdict(check_structure(meta, _info(dtype), 2))), name
         if host:
             flagged.add(name)
     assert flagged == set(_corruptions(dtype)) - {"clean"}  # the fingerprint sees them all
