@@ -121,6 +121,9 @@ def flashinfer_importable() -> Iterator[None]:
                      if m.split(".")[0] in {"flashinfer", "tvm_ffi"}
                      or m == "vllm.v1.attention.backends.flashinfer"]:
             del sys.modules[name]
+        from vllm.utils.flashinfer import has_flashinfer
+
+        has_flashinfer.cache_clear()  # answered while flashinfer was importable
 
 
 def _assert_covered(report: dict) -> None:

@@ -267,12 +267,15 @@ def reported_layout(vllm_config: object, layer_names: Sequence[str]) -> tuple[st
     """(attention backend, KVCacheLayout name) as vLLM reports them for these layers: the
     backend every layer's ``get_attn_backend()`` names and the layout the engine core
     resolved (``cache_config.kv_cache_layout``). Layers on different backends, or none
-    reported, refuse to start: the decoder is never guessed from a tensor's shape."""
+    reported, refuse to start: the decoder is never guessed from a tensor's shape. State
+    layers of hybrids (Mamba/conv: no paged K/V) are not attention KV and are left out."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
 
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))
-    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    names = {layer.get_attn_backend().get_name() for layer in layers.values()
+             if not isinstance(layer, MambaBase)}
     if len(names) != 1:
         raise UnsupportedLayout(f"kv-sidecar probe: the KV cache layers report attention "
                                 f"backends {sorted(names)}; expected exactly one")
