@@ -94,7 +94,7 @@ def test_every_check_gives_the_same_verdict_on_the_device_path(dtype: torch.dtyp
     "meta"): identical verdicts on every fault."""
     clean = _block(dtype)
     host_digest = kv_digest(clean.key, clean.value, DEFAULT_ALGORITHM)
-    dev_digest = kv_digest(clean.key, clean.value, "poly31x2")
+    dev_digest = kv_digest(clean.key, clean.value, "wsum64")
     tol = 0.05 if dtype != torch.float32 else 1e-4
     flagged = set()
     for name, b in _corruptions(dtype).items():
@@ -117,21 +117,45 @@ def test_every_check_gives_the_same_verdict_on_the_device_path(dtype: torch.dtyp
 def test_device_digest_sees_every_single_word_change() -> None:
     key, value = _block(torch.float16).key, _block(torch.float16, 2).value
     base = device_digest(key, value)
-    seen = set()
     words = key.view(-1).view(torch.int32)
-    for i in range(words.numel()):
+    for i in range(words.numel()):  # every word, every bit position in turn
         k = key.clone()
         k.view(-1).view(torch.int32)[i] ^= 1 << (i % 32)
-        seen.add(device_digest(k, value))
-    assert base not in seen and len(seen) == words.numel()
+        assert device_digest(k, value) != base, i
     assert device_digest(value, key) != base  # K and V swapped
     assert device_digest(key[..., :7].contiguous(), value) != base  # odd byte count pads
 
 
+def test_device_digest_is_the_exact_modular_sum_torch_int64_must_give() -> None:
+    """torch's int64 multiply and sum wrap modulo 2**64 (as on CUDA): the digest equals the
+    same weighted sum in Python's exact integers, so no device can differ."""
+    from sidecar.checks import device_digest as dd
+
+    mask = (1 << 64) - 1
+    cols = [w & mask for w in dd._odd_weights(1, 0, dd.COLUMNS)]
+
+    def exact(t: torch.Tensor, row0: int) -> tuple[int, int]:
+        b = bytes(t.contiguous().view(-1).view(torch.uint8).tolist())
+        b += bytes((-len(b)) % (8 * dd.COLUMNS))
+        words = [int.from_bytes(b[i:i + 8], "little") for i in range(0, len(b), 8)]
+        n = len(words) // dd.COLUMNS
+        rows = [w & mask for w in dd._odd_weights(2, row0, n)]
+        return sum(rows[r] * sum(x * c for x, c in zip(words[r * dd.COLUMNS:],
+                                                        cols, strict=False))
+                   for r in range(n)) & mask, n
+
+    b = _block(torch.bfloat16, 5)
+    sk, nk = exact(b.key, 0)
+    sv, _ = exact(b.value, nk)
+    size = b.key.numel() * 2
+    want = (sk + sv + dd._splitmix64(size) + 3 * dd._splitmix64(size + (1 << 50))) & mask
+    assert device_digest(b.key, b.value) == f"{want:016x}"
+
+
 def test_digest_defaults_to_the_device_algorithm_off_the_host() -> None:
     assert default_algorithm(torch.zeros(1)) == DEFAULT_ALGORITHM
-    assert default_algorithm(torch.zeros(1, device="meta")) == "poly31x2"
-    with pytest.raises(ValueError, match="poly31x2"):
+    assert default_algorithm(torch.zeros(1, device="meta")) == "wsum64"
+    with pytest.raises(ValueError, match="wsum64"):
         kv_digest(torch.zeros(1), torch.zeros(1), "md5-ish")
 
 
@@ -207,7 +231,7 @@ def test_the_device_check_measures_on_cpu_and_refuses_a_missing_gpu(
     cpu = torch.device("cpu")
     rows = gpu_check.check_throughput(cpu, 2, (2, 2, 16, 8), 0.0)
     assert {(r["what"], r["blocks_per_call"]) for r in rows} == {
-        (w, n) for w in ("device copy", "content stats", "digest (poly31x2)",
+        (w, n) for w in ("device copy", "content stats", "digest (wsum64)",
                          "recompute compare") for n in (1, 2)}
     assert all(r["GB_per_s"] > 0 for r in rows)
     cap = gpu_check.capture_cost(cpu, (2, 2, 16, 8), 2, 2)

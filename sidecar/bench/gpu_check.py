@@ -3,7 +3,7 @@
 On a CUDA device (``--device cpu`` runs the same code on the host, for development and for
 the test that keeps this module from rotting), side by side in one run:
 
-* **check throughput**: content stats, the device digest (``poly31x2``) and the recompute
+* **check throughput**: content stats, the device digest (``wsum64``) and the recompute
   compare over realistic blocks, in GB/s of KV checked, next to a device-to-device copy of
   the same bytes (the memory-bandwidth limit; target: checks >= 0.5x of it), per block as
   the verifier calls them and 64 blocks per call;
@@ -100,7 +100,7 @@ def _throughput_rows(device: torch.device, key: torch.Tensor, value: torch.Tenso
         "device copy": _seconds_per_call(copy, device, min_time_s),
         "content stats": _seconds_per_call(lambda: check_content(cached), device,
                                            min_time_s),
-        "digest (poly31x2)": _seconds_per_call(lambda: device_digest(key, value), device,
+        "digest (wsum64)": _seconds_per_call(lambda: device_digest(key, value), device,
                                                min_time_s),
         "recompute compare": _seconds_per_call(lambda: block_error(cached, reference),
                                                device, min_time_s),

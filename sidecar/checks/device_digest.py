@@ -2,53 +2,106 @@
 
 The host digests (xxh3, blake2b, sha256) need the block's bytes in host memory: on a GPU
 engine that is a device-to-host copy of every stored block, the very traffic the checks must
-not add. ``poly31x2`` is computed on the tensor's own device and only two integers come back.
+not add. ``wsum64`` is computed on the tensor's own device and two integers come back.
 
-The bytes are read as little-endian 32-bit words ``x_i`` (zero-padded), and each of two lanes
-is ``sum_i (x_i mod p) * w_i mod p`` with ``p`` a prime just under 2**31 and position weights
-``w_i = (a*i + b) mod p + 1`` (K's words first, then V's, with the byte lengths mixed in).
-Every product and partial sum fits an int64, so the result is exact and identical on every
-device (the CPU tests pin the CUDA path's arithmetic). Properties that matter for KV faults:
-a change of any single word is always caught unless its difference is a multiple of both
-primes (impossible for |difference| < 2**32); a swap of two words is caught unless their
-values agree modulo both primes; zeroing or re-layout changes almost all terms. It is a
-fingerprint against hardware and software faults, not a cryptographic hash.
+The bytes are read as 64-bit words, laid out as rows of :data:`COLUMNS` words (zero-padded),
+and the digest is the weighted sum ``sum_rc x_rc * c_c * r_r  mod 2**64`` with fixed odd
+weights per column (``c``) and per row (``r``, K's rows first, then V's), plus the byte
+lengths. Integer arithmetic modulo 2**64 is exact and order-free, so the result is identical
+on every device and for any reduction order (the CPU tests check torch's int64 arithmetic
+against Python's exact integers). A change of any single word is always caught (an odd
+weight times a non-zero difference is never 0 mod 2**64); any other change escapes with
+probability ~2**-64 over the weights; zeroing, swaps and re-layouts change it.
+
+Cost: one elementwise multiply by the (cache-resident) column weights and two sums: about
+three passes over the block's bytes, no host copy. A fingerprint against hardware and
+software faults, not a cryptographic hash.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-NAME = "poly31x2"
-# (prime, multiplier, offset) per lane: two primes just below 2**31, odd multipliers.
-_LANES = ((2_147_483_647, 48_271, 12_345), (2_147_483_629, 69_621, 54_321))
-_MASK32 = 0xFFFF_FFFF
+NAME = "wsum64"
+COLUMNS = 4096  # words per row (32 KiB): the column weights stay in cache
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bytes as non-negative int64 words of 32 bits, on its own device."""
+def _splitmix64(i: int) -> int:
+    z = (i * _GOLDEN + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _odd_weights(salt: int, start: int, n: int) -> list[int]:
+    """Odd 64-bit weights ``start .. start+n`` of stream ``salt``, as signed int64."""
+    out = []
+    for i in range(start, start + n):
+        w = _splitmix64((salt << 40) + i) | 1
+        out.append(w - (1 << 64) if w >= 1 << 63 else w)
+    return out
+
+
+class _Weights:
+    """Per device: the column weights and a growing prefix of the row weights."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cols: dict[torch.device, torch.Tensor] = {}
+        self._rows: dict[torch.device, torch.Tensor] = {}
+
+    def columns(self, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            w = self._cols.get(device)
+            if w is None:
+                w = torch.tensor(_odd_weights(1, 0, COLUMNS), dtype=torch.int64, device=device)
+                self._cols[device] = w
+            return w
+
+    def rows(self, device: torch.device, n: int) -> torch.Tensor:
+        with self._lock:
+            w = self._rows.get(device)
+            have = 0 if w is None else w.numel()
+            if have < n:
+                grow = max(n, 2 * have, 64)
+                more = torch.tensor(_odd_weights(2, have, grow - have), dtype=torch.int64,
+                                    device=device)
+                w = more if w is None else torch.cat([w, more])
+                self._rows[device] = w
+            assert w is not None
+            return w[:n]
+
+
+_WEIGHTS = _Weights()
+
+
+def _rows_of_words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as ``(rows, COLUMNS)`` int64 words, on its own device."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    pad = (-raw.numel()) % 4
+    pad = (-raw.numel()) % (8 * COLUMNS)
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
-    return raw.view(torch.int32).to(torch.int64) & _MASK32
+    elif raw.storage_offset() % 8:  # a view that does not start on a word
+        raw = raw.clone()
+    return raw.view(torch.int64).view(-1, COLUMNS)
 
 
-def _lanes(words: torch.Tensor, offset: int) -> torch.Tensor:
-    """Each lane's sum for ``words`` at positions ``offset..`` (an int64 tensor of 2)."""
-    idx = torch.arange(offset, offset + words.numel(), dtype=torch.int64, device=words.device)
-    sums = []
-    for p, a, b in _LANES:
-        w = (idx * a + b) % p + 1
-        sums.append(((words % p) * w % p).sum() % p)
-    return torch.stack(sums)
+def _weighted(words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``sum_rc words * cols * rows`` mod 2**64 (int64 wraps), a 0-dim tensor."""
+    per_row = (words * _WEIGHTS.columns(words.device)).sum(dim=1)
+    return (per_row * rows).sum()
 
 
 def device_digest(key: torch.Tensor, value: torch.Tensor) -> str:
-    """Hex of the two lanes over K's then V's bytes (one host transfer of two integers)."""
-    kw, vw = _words(key), _words(value)
-    lanes = (_lanes(kw, 0) + _lanes(vw, kw.numel())).tolist()
+    """Hex of the 64-bit weighted sum over K's then V's bytes (one host transfer)."""
+    kw, vw = _rows_of_words(key), _rows_of_words(value)
+    rows = _WEIGHTS.rows(kw.device, kw.shape[0] + vw.shape[0])
+    sk, sv = torch.stack([_weighted(kw, rows[:kw.shape[0]]),
+                          _weighted(vw, rows[kw.shape[0]:])]).tolist()
     nk, nv = key.numel() * key.element_size(), value.numel() * value.element_size()
-    mixed = [(s + n * 0x9E37) % p for s, n, (p, _, _) in zip(lanes, (nk, nv), _LANES,
-                                                             strict=True)]
-    return "".join(f"{m:08x}" for m in mixed)
+    total = (sk + sv + _splitmix64(nk) + 3 * _splitmix64(nv + (1 << 50))) & _MASK64
+    return f"{total:016x}"

@@ -12,8 +12,8 @@ digest (``"xxh3_128:..."``) so a digest is only ever compared with one of its ow
   may use; not cryptographic, which a fingerprint against hardware and software faults does
   not need;
 * ``blake2b`` (the default otherwise: stdlib), ``sha256`` (where a policy wants it);
-* ``poly31x2`` (:mod:`sidecar.checks.device_digest`, the default for KV not in host memory):
-  tensor ops on the KV's own device, only two integers come back, so a GPU engine's blocks
+* ``wsum64`` (:mod:`sidecar.checks.device_digest`, the default for KV not in host memory):
+  tensor ops on the KV's own device, two integers come back, so a GPU engine's blocks
   are never copied to the host to be fingerprinted.
 
 ``kv-sidecar bench perf`` measures each against a one-pass ``amax`` of the same bytes.
