@@ -247,3 +247,25 @@ def test_the_device_check_measures_on_cpu_and_refuses_a_missing_gpu(
     if not torch.cuda.is_available():
         assert gpu_check.main(["--device", "cuda"]) == 3
         assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_storage", [None, "int8"])
+def test_model_and_pool_keep_every_tensor_on_their_device(kv_storage: str | None) -> None:
+    """What ``--device cuda`` runs, on "meta": any tensor left on the host (a weight, the
+    rotary buffer, token ids, an index, an adapter bias) fails the op that mixes them."""
+    from sidecar.engines.reference.model import ModelConfig, TinyLlama
+    from sidecar.engines.reference.pool import BlockPool
+
+    model = TinyLlama(ModelConfig(dtype="bfloat16"), device="meta")
+    assert {t.device.type for t in [*model.model.parameters(), *model.model.buffers()]} \
+        == {"meta"}
+    first = model.forward([1, 2, 3, 4, 5, 6], adapter="tenant-lora")
+    later = model.forward([7, 8], adapter="tenant-lora", past=first.kv)
+    assert later.kv.keys.device.type == "meta" and later.last_logits.device.type == "meta"
+    pool = BlockPool(8, 4, model.num_layers, 2, 16, torch.bfloat16, kv_storage=kv_storage,
+                     device="meta")
+    pool.write([1, 3], 0, first.kv.keys, first.kv.values)
+    keys, _ = pool.gather([1, 3], 6)
+    assert keys.device.type == "meta" and tuple(keys.shape) == tuple(first.kv.keys.shape)
+    pool.import_block(5, pool.export_block(3))
+    assert pool.read_block(5)[0].device.type == "meta"

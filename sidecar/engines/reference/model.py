@@ -124,11 +124,13 @@ class TinyLlama:
             model = LlamaForCausalLM(hf_config)
         model.requires_grad_(False)
         for p in model.parameters():  # in place: PreTrainedModel.to is awkwardly typed
-            p.data = p.data.to(device=self.device, dtype=c.torch_dtype)
+            p.data = p.data.to(c.torch_dtype)
+        emb = model.model.embed_tokens.weight
+        self._embed_rms = float(emb.float().pow(2).mean().sqrt())  # on the host: no sync
+        # Parameters and buffers (rotary inv_freq) to the device, buffers keeping their dtype.
+        torch.nn.Module.to(model, self.device)
         self.model = model.eval()
         self.dtype = c.torch_dtype
-        emb = self.model.model.embed_tokens.weight
-        self._embed_rms = float(emb.float().pow(2).mean().sqrt())
         self._adapter_bias: dict[str, torch.Tensor] = {}
 
     @property
