@@ -79,10 +79,10 @@ class ReferenceAdapter:
         """Copies of the blocks as the request is served them (optional capability: the
         Monitor calls it on the engine's thread, inside ``on_lookup``, for sampled hits
         only, before the engine's prefill gathers these blocks)."""
-        pool = self.engine.pool
-        out: list[BlockKV] = []
         if self.capture_buffer is not None:
             return self._capture_to_buffer(self.capture_buffer, refs)
+        pool = self.engine.pool
+        out: list[BlockKV] = []
         with self.engine.lock:
             for ref in refs:
                 self._check(ref)
