@@ -269,3 +269,59 @@ def test_model_and_pool_keep_every_tensor_on_their_device(kv_storage: str | None
     assert keys.device.type == "meta" and tuple(keys.shape) == tuple(first.kv.keys.shape)
     pool.import_block(5, pool.export_block(3))
     assert pool.read_block(5)[0].device.type == "meta"
+
+
+def test_the_cuda_capture_is_ordered_after_the_write_and_before_the_engines_next_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch's stream protocol, with streams and events that log what they are
+    asked (no CUDA here; the copies themselves run on CPU tensors): the side stream waits
+    on an event recorded on the engine's stream, copies inside the side stream, and the
+    engine's stream waits on the copy's event before anything it queues next."""
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: Event) -> None:
+            log.append(f"{self.name} waits {event.name}")
+
+    class Event:
+        made = 0
+
+        def __init__(self) -> None:
+            Event.made += 1
+            self.name = ("written", "copied")[Event.made - 1]
+
+        def record(self, stream: Stream) -> None:
+            log.append(f"{self.name} recorded on {stream.name}")
+
+    class StreamContext:
+        def __init__(self, stream: Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            log.append(f"enter {self.stream.name}")
+
+        def __exit__(self, *exc: object) -> None:
+            log.append(f"exit {self.stream.name}")
+
+    engine = Stream("engine")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: engine)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    buf = CaptureBuffer(SHAPE, torch.float32, "cpu", slots=2)
+    buf._side = Stream("side")  # type: ignore[assignment]
+    src = _block(torch.float32)
+    real_copy = torch.Tensor.copy_
+
+    def logged_copy(dst: torch.Tensor, s: torch.Tensor, non_blocking: bool = False):
+        log.append(f"copy non_blocking={non_blocking}")
+        return real_copy(dst, s, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    (key, value), = buf.capture([(src.key, src.value)]) or []
+    assert log == ["written recorded on engine", "side waits written", "enter side",
+                   "copy non_blocking=True", "copy non_blocking=True",
+                   "copied recorded on side", "exit side", "engine waits copied"]
+    assert torch.equal(key, src.key) and torch.equal(value, src.value)
