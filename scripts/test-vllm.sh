@@ -32,6 +32,32 @@ if [ ! -f "$STAMP" ]; then
     echo "test-vllm: $VENV built in $(( $(date +%s) - started ))s"
 fi
 
+# GPU KV layouts on CPU (tests/vllm/test_layout.py): vLLM's FlashInfer backend class needs
+# the flashinfer package (pure Python; installed without its CUDA dependencies, beside the
+# venv's site-packages so vLLM's engine never sees it), and vLLM 0.33.0, the newest release
+# (a CUDA wheel only), is checked from its Python sources. ~1 min once, ~0.6 GB.
+GPU_STAMP="$VENV/.kvsidecar-gpu-layouts"
+if [ ! -f "$GPU_STAMP" ]; then
+    started=$(date +%s)
+    echo "test-vllm: adding flashinfer-python and vLLM 0.33.0's sources for the GPU layouts"
+    "$PY" -m pip install -q --no-deps --target "$VENV/flashinfer-site" \
+        flashinfer-python==0.7.2.post1 nvidia-ml-py "apache-tvm-ffi>=0.1.11,<0.2" einops tabulate
+    wheels=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps -d "$wheels" vllm==0.33.0
+    rm -rf "$VENV/vllm-0.33.0-src"
+    "$PY" - "$wheels"/vllm-0.33.0-*.whl "$VENV/vllm-0.33.0-src" <<'PYEOF'
+import sys
+import zipfile
+
+wheel, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:  # Python files and metadata only: no CUDA binaries
+    z.extractall(dest, [n for n in z.namelist() if n.endswith(".py") or ".dist-info/" in n])
+PYEOF
+    rm -rf "$wheels"
+    touch "$GPU_STAMP"
+    echo "test-vllm: GPU layout extras added in $(( $(date +%s) - started ))s"
+fi
+
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 rc=0
 "$PY" -m pytest -q -m vllm -p no:cacheprovider tests/vllm "$@" || rc=$?

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="http/protobuf",
                    help="OTLP transport (grpc: host:port, needs the otlp-grpc extra)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
+    d.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the engine's model and KV live: cpu or cuda[:N] (default: cpu; "
+                        "cuda without a CUDA device is an error)")
     tolerance.add_arguments(d)
 
     sub.add_parser("faults", help="list the injectable faults",
@@ -203,12 +206,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        otlp_interval_s=args.otlp_interval,
                        otlp_protocol=args.otlp_protocol, progress=not args.quiet,
                        sidecar={**args.sidecar_overrides, **tolerance.config_fields(args)})
+    opts.device = _device(args.device)
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
     else:
         print(format_summary(summary))
     return 0
+
+
+def _device(name: str) -> str:
+    """``--device``, checked before anything is built (a usage error, exit 2)."""
+    from sidecar.device import DeviceUnavailable, resolve_device
+
+    try:
+        return str(resolve_device(name))
+    except DeviceUnavailable as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

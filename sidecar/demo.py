@@ -39,6 +39,7 @@ class DemoOptions:
     otlp_protocol: str = "http/protobuf"
     progress: bool = True
     num_blocks: int = 256
+    device: str = "cpu"  # the engine's model and KV ("cuda" needs a CUDA device)
     # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
     sidecar: dict[str, Any] = field(default_factory=dict)
 
@@ -73,7 +74,7 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
     """The reference engine with the sidecar attached (also used by tests and the bench)."""
     engine = ReferenceEngine(EngineConfig(
         model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
-        fault=opts.fault, fault_seed=opts.seed, kv_digest=True))
+        fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
     monitor = Monitor(ReferenceAdapter(engine),
                       SidecarConfig(**{**dict(sample_every=opts.sample_every, seed=opts.seed,
                                     evidence_dir=opts.evidence_dir,

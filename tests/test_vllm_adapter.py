@@ -144,7 +144,9 @@ def test_reference_salt_names_its_blocks_and_nothing_else() -> None:
 def test_probe_refuses_untested_vllm_versions() -> None:
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0 only"):
+    check_vllm_version("0.33.0+cu130")  # the range's newest end (tests/vllm/test_layout.py)
+    with pytest.raises(UnsupportedVllmVersion,
+                       match=r"supports vLLM 0\.32\.0 to 0\.33\.0 .*found 0\.33\.1"):
         check_vllm_version("0.33.1")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sidecar.capture_buffer import CaptureBuffer
 from sidecar.engines.reference.blocks import chain_hash
 from sidecar.engines.reference.engine import GROUP_ID, KEY_FIELD_NAMES, ReferenceEngine
 from sidecar.protocol import (
@@ -30,8 +31,12 @@ class ReferenceAdapter:
     """Implements :class:`sidecar.protocol.Adapter` and
     :class:`sidecar.protocol.AllocatorIntrospection` for a :class:`ReferenceEngine`."""
 
-    def __init__(self, engine: ReferenceEngine) -> None:
+    def __init__(self, engine: ReferenceEngine, capture_slots: int | None = None) -> None:
         self.engine = engine
+        # Match-time captures go to a bounded buffer on the pool's device (async on CUDA,
+        # see sidecar.capture_buffer): by default on a device pool only; ``capture_slots``
+        # sets its size (and turns it on for a CPU pool). Quantised pools keep read_block.
+        self.capture_buffer = _capture_buffer(engine, capture_slots)
         mc = engine.config.model
         self._info = EngineInfo(
             engine="reference",
@@ -75,6 +80,8 @@ class ReferenceAdapter:
         """Copies of the blocks as the request is served them (optional capability: the
         Monitor calls it on the engine's thread, inside ``on_lookup``, for sampled hits
         only, before the engine's prefill gathers these blocks)."""
+        if self.capture_buffer is not None:
+            return self._capture_to_buffer(self.capture_buffer, refs)
         pool = self.engine.pool
         out: list[BlockKV] = []
         with self.engine.lock:
@@ -84,6 +91,22 @@ class ReferenceAdapter:
                 out.append(BlockKV(ref, key, value, generation=pool.blocks[ref.block_id]
                                    .generation))
         return out
+
+    def _capture_to_buffer(self, buffer: CaptureBuffer,
+                           refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """The capture into buffer slots; none when the buffer is full (the sample is then
+        verified from a later read, and the refusal counted in ``buffer.refused``)."""
+        pool = self.engine.pool
+        with self.engine.lock:
+            for ref in refs:
+                self._check(ref)
+            copies = buffer.capture([(pool.key[:, r.block_id], pool.value[:, r.block_id])
+                                     for r in refs])
+            generations = [pool.blocks[r.block_id].generation for r in refs]
+        if copies is None:
+            return []
+        return [BlockKV(ref, k, v, generation=g)
+                for ref, (k, v), g in zip(refs, copies, generations, strict=True)]
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         """KV of ``hit.tokens`` up to the end of the last ref's block, computed from
@@ -205,3 +228,18 @@ class ReferenceAdapter:
         stats = self.engine.stats
         waiting = stats["submitted"] - stats["admitted"] - stats["rejected"]
         return waiting >= self.engine.config.max_running
+
+
+DEVICE_CAPTURE_SLOTS = 64  # blocks in flight between capture and verdict on a device pool
+
+
+def _capture_buffer(engine: ReferenceEngine, slots: int | None) -> CaptureBuffer | None:
+    pool = engine.pool
+    if pool.kv_storage is not None:
+        return None
+    if slots is None:
+        if pool.key.device.type == "cpu":
+            return None
+        slots = DEVICE_CAPTURE_SLOTS
+    shape = (pool.key.shape[0], *pool.key.shape[2:])  # (layers, kv_heads, block_size, dim)
+    return CaptureBuffer(shape, pool.key.dtype, pool.key.device, slots)

@@ -11,7 +11,10 @@ digest (``"xxh3_128:..."``) so a digest is only ever compared with one of its ow
   and the ``events``/``fast`` extras): tens of GB/s, far above the memory bandwidth a check
   may use; not cryptographic, which a fingerprint against hardware and software faults does
   not need;
-* ``blake2b`` (the default otherwise: stdlib), ``sha256`` (where a policy wants it).
+* ``blake2b`` (the default otherwise: stdlib), ``sha256`` (where a policy wants it);
+* ``wsum64`` (:mod:`sidecar.checks.device_digest`, the default for KV not in host memory):
+  tensor ops on the KV's own device, two integers come back, so a GPU engine's blocks
+  are never copied to the host to be fingerprinted.
 
 ``kv-sidecar bench perf`` measures each against a one-pass ``amax`` of the same bytes.
 """
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from sidecar.checks import device_digest
 from sidecar.checks.base import Finding
 from sidecar.protocol import BlockKV
 from sidecar.signals import AnomalyKind
@@ -31,8 +35,9 @@ Hasher = Callable[[memoryview, memoryview], str]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's raw bytes, without converting values (bf16 has no numpy dtype)."""
-    flat = t.detach().contiguous().reshape(-1)
+    """The tensor's raw bytes, without converting values (bf16 has no numpy dtype); a
+    device tensor is copied to the host (only host digests need this)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
@@ -64,16 +69,29 @@ _fast = _xxh3()
 if _fast is not None:
     ALGORITHMS["xxh3_128"] = _fast
 DEFAULT_ALGORITHM = "xxh3_128" if _fast is not None else "blake2b"
+# Digests computed on the KV's own device, from tensors (no host copy of the block).
+DEVICE_ALGORITHMS: dict[str, Callable[[torch.Tensor, torch.Tensor], str]] = {
+    device_digest.NAME: device_digest.device_digest}
+DEVICE_DEFAULT_ALGORITHM = device_digest.NAME
+
+
+def default_algorithm(t: torch.Tensor) -> str:
+    """The digest for KV on ``t``'s device: a host digest for host memory, else one that
+    runs on the device."""
+    return DEFAULT_ALGORITHM if t.device.type == "cpu" else DEVICE_DEFAULT_ALGORITHM
 
 
 def kv_digest(key: torch.Tensor, value: torch.Tensor, algorithm: str | None = None) -> str:
     """``"<algorithm>:<hex>"`` of K's then V's raw bytes."""
-    algo = algorithm or DEFAULT_ALGORITHM
+    algo = algorithm or default_algorithm(key)
+    on_device = DEVICE_ALGORITHMS.get(algo)
+    if on_device is not None:
+        return f"{algo}:{on_device(key, value)}"
     try:
         fn = ALGORITHMS[algo]
     except KeyError:
         raise ValueError(f"unknown digest algorithm {algo!r}; available: "
-                         f"{', '.join(sorted(ALGORITHMS))}") from None
+                         f"{', '.join(sorted([*ALGORITHMS, *DEVICE_ALGORITHMS]))}") from None
     return f"{algo}:{fn(tensor_bytes(key), tensor_bytes(value))}"
 
 
@@ -81,7 +99,8 @@ def check_fingerprint(block: BlockKV, stored_digest: str | None) -> list[Finding
     if stored_digest is None:
         return []
     algo, _, _ = stored_digest.rpartition(":")
-    if algo not in ALGORITHMS:  # a digest this sidecar cannot recompute: no verdict
+    # a digest this sidecar cannot recompute: no verdict
+    if algo not in ALGORITHMS and algo not in DEVICE_ALGORITHMS:
         return []
     now = kv_digest(block.key, block.value, algo)
     if now != stored_digest:

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from sidecar.adapters.vllm.layout import decode_cpu_block, validate_cpu_layout
+from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.version import check_vllm_version
 from sidecar.adapters.vllm.wire import capture_fields, parse_reference_salt
@@ -116,6 +116,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._pending_refs: dict[str, tuple[CaptureOrder, int]] = {}  # req -> (order, need)
         self._kv: dict[str, torch.Tensor] = {}
         self._layers: dict[int, list[str]] = {}
+        self._backend = "CPU_ATTN"  # the attention backend vLLM reports (register_kv_caches)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -217,7 +218,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Raising here stops engine start-up with a clear message: better than a probe that
         # silently reads the wrong bytes.
-        validate_cpu_layout(kv_caches, self._block_size)
+        # The decoder is the one for the backend and stride layout vLLM reports (layout.py).
+        self._backend, layout = reported_layout(self._vllm_config, list(kv_caches))
+        validate_layout(kv_caches, self._block_size, self._backend, layout)
         self._kv = dict(kv_caches)
         groups = self._group_layers or {0: list(kv_caches)}
         self._layers = {g: sorted((n for n in names if n in kv_caches), key=_layer_index)
@@ -258,8 +261,8 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         bs = self._block_size
         for g, index, block_id in order.refs:
             layers = [self._kv[name] for name in self._layers.get(g, [])]
-            k, v = decode_cpu_block(layers, block_id, bs)
-            kv.append((g, index, block_id, k, v))
+            k, v = decode_block(layers, block_id, bs, self._backend)
+            kv.append((g, index, block_id, k.cpu(), v.cpu()))  # shipped: host bytes
         return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
                               order.query_tokens, order.hit_tokens, order.blocks, kv)
 

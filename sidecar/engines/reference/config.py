@@ -45,3 +45,6 @@ class EngineConfig:
     # buy nothing and, when the cores are shared (the sidecar's recompute, other processes),
     # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
     torch_threads: int | None = 1
+    # Where the model runs and the pool's KV lives ("cpu", "cuda", "cuda:N"; checked by
+    # sidecar.device.resolve_device: asking for CUDA without one is an error, not a fallback).
+    device: str = "cpu"

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from sidecar.device import resolve_device
 from sidecar.engines.reference.config import DigestFn, EngineConfig
 from sidecar.engines.reference.faults import Fault, make_fault
 from sidecar.engines.reference.model import SequenceKV, TinyLlama
@@ -84,11 +85,12 @@ class ReferenceEngine:
         self.sink = sink
         if c.torch_threads is not None:
             torch.set_num_threads(c.torch_threads)
-        self.model = TinyLlama(c.model)
+        self.device = resolve_device(c.device)
+        self.model = TinyLlama(c.model, device=self.device)
         self.block_size = c.block_size
         self.pool = BlockPool(c.num_blocks, c.block_size, c.model.num_layers,
                               c.model.num_kv_heads, c.model.head_dim, c.model.torch_dtype,
-                              kv_storage=c.kv_storage)
+                              kv_storage=c.kv_storage, device=self.device)
         self.tier = CpuTier(c.cpu_offload_blocks) if c.cpu_offload_blocks > 0 else None
         self._digests: dict[int, str | None] = {}  # write-time digests, kept for the tier
         self._unawaited: dict[int, list[Load]] = {}  # seq -> loads served while in flight

@@ -107,8 +107,10 @@ class TinyLlama:
     recompute may call :meth:`forward` concurrently.
     """
 
-    def __init__(self, config: ModelConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.config = config or ModelConfig()
+        self.device = torch.device(device)
         c = self.config
         hf_config = LlamaConfig(
             vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -123,10 +125,12 @@ class TinyLlama:
         model.requires_grad_(False)
         for p in model.parameters():  # in place: PreTrainedModel.to is awkwardly typed
             p.data = p.data.to(c.torch_dtype)
+        emb = model.model.embed_tokens.weight
+        self._embed_rms = float(emb.float().pow(2).mean().sqrt())  # on the host: no sync
+        # Parameters and buffers (rotary inv_freq) to the device, buffers keeping their dtype.
+        torch.nn.Module.to(model, self.device)
         self.model = model.eval()
         self.dtype = c.torch_dtype
-        emb = self.model.model.embed_tokens.weight
-        self._embed_rms = float(emb.float().pow(2).mean().sqrt())
         self._adapter_bias: dict[str, torch.Tensor] = {}
 
     @property
@@ -141,7 +145,8 @@ class TinyLlama:
         if bias is None:
             g = torch.Generator().manual_seed(derive_seed("adapter", adapter))
             raw = torch.randn(self.config.hidden_size, generator=g)
-            bias = (raw * (self.config.adapter_scale * self._embed_rms)).to(self.dtype)
+            bias = (raw * (self.config.adapter_scale * self._embed_rms)).to(self.device,
+                                                                             self.dtype)
             self._adapter_bias[adapter] = bias
         return bias
 
@@ -154,7 +159,7 @@ class TinyLlama:
         if n_past + len(tokens) > self.config.max_positions:
             raise ValueError(f"{n_past + len(tokens)} positions exceed max_positions "
                              f"{self.config.max_positions}")
-        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             embeds = self.model.model.embed_tokens(ids)
             bias = self.adapter_bias(adapter)
@@ -167,7 +172,8 @@ class TinyLlama:
                     ddp_cache_data=[(past.keys[i].unsqueeze(0), past.values[i].unsqueeze(0))
                                     for i in range(self.num_layers)],
                     config=self.model.config)
-            positions = torch.arange(n_past, n_past + len(tokens)).unsqueeze(0)
+            positions = torch.arange(n_past, n_past + len(tokens),
+                                     device=self.device).unsqueeze(0)
             out = self.model(inputs_embeds=embeds, cache=cache, use_cache=True,
                              position_ids=positions, logits_to_keep=1)
             # Updated in place: the past plus the tokens just run. A Llama cache has only

@@ -56,7 +56,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 kv_storage: str | None = None) -> None:
+                 kv_storage: str | None = None, device: torch.device | str = "cpu") -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         check_storage(kv_storage)
@@ -66,12 +66,12 @@ class BlockPool:
         self.kv_storage = kv_storage
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         stored = torch.int8 if kv_storage == "int8" else dtype
-        self.key = torch.zeros(shape, dtype=stored)
-        self.value = torch.zeros(shape, dtype=stored)
+        self.key = torch.zeros(shape, dtype=stored, device=device)
+        self.value = torch.zeros(shape, dtype=stored, device=device)
         # Quantised storage: one float32 scale per (layer, block, head, slot) row (quant.py).
         scale_shape = (*shape[:-1], 1) if kv_storage else (0,)
-        self.key_scale = torch.zeros(scale_shape)
-        self.value_scale = torch.zeros(scale_shape)
+        self.key_scale = torch.zeros(scale_shape, device=device)
+        self.value_scale = torch.zeros(scale_shape, device=device)
         # block -> factor a buggy quantiser applies to the scale it should use (the
         # quantization-drift fault sets it; clean writes use 1.0).
         self.scale_error: dict[int, float] = {}
@@ -306,7 +306,7 @@ class BlockPool:
         """KV of the first ``num_tokens`` positions of a block table, as contiguous
         ``(layers, kv_heads, num_tokens, head_dim)`` tensors (what attention reads)."""
         nb = -(-num_tokens // self.block_size)
-        idx = torch.tensor(list(block_ids[:nb]), dtype=torch.long)
+        idx = torch.tensor(list(block_ids[:nb]), dtype=torch.long, device=self.key.device)
         out = []
         for store, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
             t = store.index_select(1, idx)  # (L, nb, H, bs, D)
