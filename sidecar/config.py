@@ -49,6 +49,12 @@ class SidecarConfig:
     tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
     calibration_samples: int = 0
     calibration_multiple: float = 4.0
+    # Admission control (sidecar/admission.py, hcore): at most this many adapter recomputes
+    # in flight at once (abandoned timed-out ones included) and this many verifications of
+    # tier-recovered blocks; over the cap a sample is dropped (reason "admission"). <= 0:
+    # no cap.
+    max_concurrent_recomputes: int = 2
+    max_concurrent_recoveries: int = 4
 
     def validate(self) -> None:
         for name in ("sample_every", "queue_size", "store_records", "evidence_capacity",

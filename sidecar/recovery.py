@@ -1,0 +1,85 @@
+"""Per-group hot-path signals of a hybrid cache: hits per cache group, and the offload tier's
+recoveries (loads) from the engine's ``on_tier`` events (:class:`sidecar.protocol.TierSink`).
+
+Both run on the engine's thread, so both are O(1) through pre-made cells: every label set
+is bounded and created at start (the engine's groups x a fixed outcome set), so an update
+is one dict lookup and one add. A group id the engine never described is counted under
+the one ``unknown`` group value, never as a new series. Bad ``on_tier`` input is
+rejected with a reason (``hook_input_rejected_total{hook="on_tier"}``), never applied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sidecar import signals as S
+from sidecar.hook_input import MAX_LATENCY_S
+from sidecar.metrics import Metrics
+from sidecar.protocol import EngineInfo, Hit, TierState
+from sidecar.signals import InputReject, RecoveryOutcome
+
+UNKNOWN = "unknown"
+_ENDS = {TierState.LOADED: RecoveryOutcome.LOADED, TierState.FAILED: RecoveryOutcome.FAILED}
+_STATES = {s.value: s for s in TierState}
+
+
+class GroupSignals:
+    """Hits per cache group, and the tier's recoveries by group and outcome."""
+
+    def __init__(self, metrics: Metrics, info: EngineInfo) -> None:
+        labels = {g.group_id: (g.label, g.kind.value) for g in info.groups}
+        self._hits: dict[int, Any] = {
+            gid: metrics.cell(S.GROUP_HITS, group=label, group_kind=kind)
+            for gid, (label, kind) in labels.items()}
+        self._unknown_hits = metrics.cell(S.GROUP_HITS, group=UNKNOWN, group_kind=UNKNOWN)
+        self._single = next(iter(self._hits.values())) if len(self._hits) == 1 else None
+        self._ends: dict[tuple[int, TierState], Any] = {}
+        self._durations: dict[int, Any] = {}
+        for gid, (label, _) in [*labels.items(), (-1, (UNKNOWN, UNKNOWN))]:
+            for state, outcome in _ENDS.items():
+                self._ends[(gid, state)] = metrics.cell(S.RECOVERIES, group=label,
+                                                        outcome=outcome.value)
+            self._durations[gid] = metrics.cell(S.RECOVERY_DURATION, group=label)
+        self._groups = frozenset(labels)
+
+    def on_hit(self, hit: Hit) -> None:
+        """One more hit in every group the hit lists (one add for a one-group engine)."""
+        if self._single is not None:
+            self._single.value += 1
+            return
+        hits = self._hits
+        for gid in hit.blocks:
+            cell = hits.get(gid)
+            if cell is None:
+                cell = self._unknown_hits
+            cell.value += 1
+
+    def on_tier(self, group_id: Any, block_id: Any, state: Any,
+                seconds: Any = None) -> InputReject | None:
+        """Apply one tier transition; a reason when its input is refused (nothing applied).
+        Only the end of a load (``loaded``/``failed``) is a recovery signal."""
+        if type(group_id) is not int or type(block_id) is not int:
+            return InputReject.TYPE
+        if group_id < 0 or block_id < 0:
+            return InputReject.NEGATIVE
+        if type(state) is not TierState:
+            state = _STATES.get(state) if isinstance(state, str) else None
+            if state is None:
+                return InputReject.TYPE
+        if seconds is not None:
+            if type(seconds) not in (float, int):
+                return InputReject.TYPE
+            if math.isnan(seconds):
+                return InputReject.NAN
+            if seconds < 0:
+                return InputReject.NEGATIVE
+            if seconds > MAX_LATENCY_S:
+                return InputReject.ABSURD
+        if state not in _ENDS:
+            return None
+        gid = group_id if group_id in self._groups else -1
+        self._ends[(gid, state)].value += 1
+        if seconds is not None:
+            self._durations[gid].observe(float(seconds))
+        return None
