@@ -38,7 +38,7 @@ from sidecar.checks.base import Finding
 from sidecar.checks.content import check_content
 from sidecar.checks.coverage import check_coverage, tier_state_at
 from sidecar.checks.fingerprint import check_fingerprint
-from sidecar.checks.hybrid import check_partial_zero, explain
+from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
 from sidecar.checks.structure import check_structure
@@ -176,8 +176,11 @@ class Verifier:
         digests = hit_digests(hit, bs, max(r.index for r in refs))
         condemned: set[BlockRef] = set()
         for ref in refs:
-            found = check_keys(hit, ref, sample.records.get(ref), bs,
-                               _generation_at_hit(hit, ref), digests)
+            record = sample.records.get(ref)
+            found = check_keys(hit, ref, record, bs, _generation_at_hit(hit, ref), digests)
+            if found and record is not None:  # stored one block off / an earlier boundary
+                group = self._groups.get(ref.group_id)
+                found = [misplaced(group, ref, record.prefix_tokens, bs, f) for f in found]
             if found:
                 condemned.add(ref)
                 verdict.findings.extend(found)

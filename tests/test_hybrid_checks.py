@@ -188,11 +188,22 @@ def _null_in_window(blocks, states):
     blocks[SLIDING][-1] = NULL
 
 
+def _window_table_off_by_one(blocks, states):
+    blocks[SLIDING][-1] = blocks[SLIDING][-2]  # #5 mapped to the block stored for #4
+
+
+def _recurrent_table_stale(blocks, states):
+    blocks[RECURRENT][-1] = 4  # ids 1..6 were stored for boundaries #0..#5: this is #3
+
+
 @pytest.mark.parametrize(("edit", "expected"), [
     (_drop_group, {(K.MISSING_GROUP_STATE, RECURRENT)}),
     (_short_group, {(K.MISSING_GROUP_STATE, SLIDING)}),
     (_null_in_window, {(K.NULL_BLOCK_READ, SLIDING)}),
-], ids=["group_evicted", "group_short", "null_in_window"])
+    (_window_table_off_by_one, {(K.WINDOW_MISMATCH, SLIDING)}),
+    (_recurrent_table_stale, {(K.STALE_RECURRENT_STATE, RECURRENT)}),
+], ids=["group_evicted", "group_short", "null_in_window", "window_table_off_by_one",
+        "recurrent_table_stale"])
 def test_table_faults_are_found_from_the_block_tables(edit, expected):
     engine, _, monitor = make()
     v = served(engine, monitor, edit=edit)

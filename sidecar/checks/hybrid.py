@@ -72,6 +72,28 @@ def partial_load(cached: BlockKV, reference: BlockKV, tolerance: float) -> Findi
     return None
 
 
+def misplaced(group: CacheGroup | None, ref: BlockRef, stored_at: int, block_size: int,
+              finding: Finding) -> Finding:
+    """A ``token_mismatch`` because the block was *stored at another position*, read per
+    group kind: a sliding-window block stored one block off is the window restored off by
+    one (``window_mismatch``); a recurrent block stored at an earlier boundary is that
+    boundary's state (``stale_recurrent_state``). Any other finding is returned as is."""
+    if group is None or finding.kind is not AnomalyKind.TOKEN_MISMATCH \
+            or stored_at % block_size:
+        return finding
+    at = stored_at // block_size
+    if group.kind is GroupKind.SLIDING_WINDOW and abs(at - ref.index) == 1:
+        return Finding(AnomalyKind.WINDOW_MISMATCH, ref.group_id, ref.index,
+                       f"group {group.label}: position #{ref.index} maps to block "
+                       f"{ref.block_id}, stored for position #{at} (window restored "
+                       f"{at - ref.index:+d} block off)")
+    if group.kind is GroupKind.RECURRENT_STATE and at < ref.index:
+        return Finding(AnomalyKind.STALE_RECURRENT_STATE, ref.group_id, ref.index,
+                       f"group {group.label}: boundary #{ref.index} maps to block "
+                       f"{ref.block_id}, the state stored for the earlier boundary #{at}")
+    return finding
+
+
 def suspects(group: CacheGroup, ref: BlockRef, n_blocks: int) -> list[BlockRef]:
     """Positions whose recompute a failed block of ``group`` is compared with."""
     near: tuple[int, ...]
