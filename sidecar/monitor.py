@@ -148,11 +148,6 @@ class Monitor:
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
         for hook in HOOKS:
             m.inc(S.HOOK_ERRORS, 0, hook=hook)
-        for group_kind in sorted({g.kind.value for g in self.info.groups}):
-            for kind in S.AnomalyKind:
-                m.inc(S.GROUP_KIND_ANOMALIES, 0, group_kind=group_kind, kind=kind.value)
-        for reject in HI.InputReject:
-            m.inc(S.HOOK_INPUT_REJECTED, 0, hook="on_tier", reason=reject.value)
         for op in ("read", "recompute", "allocator", "block_tables", "capture"):
             for why in ("error", "timeout"):
                 m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)

@@ -42,6 +42,12 @@ class GroupSignals:
                                                         outcome=outcome.value)
             self._durations[gid] = metrics.cell(S.RECOVERY_DURATION, group=label)
         self._groups = frozenset(labels)
+        # Series a first event must find at 0 (a rate, not a new series).
+        for group_kind in sorted({g.kind.value for g in info.groups}):
+            for kind in S.AnomalyKind:
+                metrics.inc(S.GROUP_KIND_ANOMALIES, 0, group_kind=group_kind, kind=kind.value)
+        for why in InputReject:
+            metrics.inc(S.HOOK_INPUT_REJECTED, 0, hook="on_tier", reason=why.value)
 
     def on_hit(self, hit: Hit) -> None:
         """One more hit in every group the hit lists (one add for a one-group engine)."""
