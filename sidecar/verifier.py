@@ -193,7 +193,9 @@ class Verifier:
         # What was served: the capture where there is one, else the block as read now.
         # A captured block is read too, to tell "changed after serving" apart.
         captured = sample.captured or {}
-        undecided = [r for r in refs if r not in condemned]
+        # A null (padding) block holds no KV: never read, whoever chose it (a probe's own
+        # sampler); one at a position its group must cover was reported by the coverage check.
+        undecided = [r for r in refs if r not in condemned and not self._null(r)]
         served: dict[BlockRef, BlockKV] = {r: captured[r] for r in undecided if r in captured}
         to_read = undecided if self.reread else [r for r in undecided if r not in served]
         cached = self._call("read", self.adapter.read, verdict, hit, to_read,
@@ -247,6 +249,10 @@ class Verifier:
             verdict.verified.extend(b.ref for b in passed)
             return
         self._compare(hit, passed, verdict)
+
+    def _null(self, ref: BlockRef) -> bool:
+        group = self._groups.get(ref.group_id)
+        return group is not None and ref.block_id in group.null_block_ids
 
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the

@@ -13,6 +13,7 @@ from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import Hit, TierState
 from sidecar.sampling import UniformSampler, choose_blocks
 from sidecar.signals import AnomalyKind as K
+from sidecar.verifier import Sample
 from tests.hybrid_toy import (
     BS,
     FULL,
@@ -229,3 +230,19 @@ def test_a_half_zeroed_block_without_a_tier_load_is_not_a_partial_load():
     k[1] = 0
     engine.pool[(FULL, b)] = (k, v)
     assert findings(served(engine, monitor, store=False)) == {(K.ZEROS, FULL)}
+
+
+def test_a_null_block_chosen_by_another_sampler_is_never_read_as_kv():
+    """A probe with its own sampler (no groups) may pick a null block: not read, not a
+    false ``zeros``; the verdict only holds what the groups must cover."""
+    engine, adapter, monitor = make()
+    engine.serve(PROMPT)
+    reads: list = []
+    read = adapter.read
+    adapter.read = lambda hit, refs: (reads.extend(refs), read(hit, refs))[-1]  # type: ignore
+    hit = engine.serve(PROMPT, edit=None)
+    refs = tuple(UniformSampler(1).choose(hit, BS, 6))  # no groups: nulls included
+    assert any(r.block_id == NULL for r in refs)
+    v = monitor.verify_sample(Sample(hit, refs, {}, 0.0))
+    assert not v.findings
+    assert reads and all(r.block_id != NULL for r in reads)
