@@ -128,6 +128,7 @@ class Monitor:
         self._h_latency = m.cell(S.REQUEST_LATENCY)
         self.group_signals = GroupSignals(m, self.info)  # hits per group, tier recoveries
         self._group_hit = self.group_signals.on_hit
+        self._c_group_hits = self.group_signals.single  # one-group engines: one cell
         self._should_sample = self.sampler.should_sample
         self._journal_store = self.journal.store
         self._journal_free = self.journal.free
@@ -177,7 +178,10 @@ class Monitor:
             hit = lookup.hit
             if hit is None:
                 return
-            self._group_hit(hit)
+            if self._c_group_hits is not None:
+                self._c_group_hits.value += 1
+            else:
+                self._group_hit(hit)
             if self._should_sample(hit):
                 if self._reject("on_lookup", HI.check_lookup(lookup)):
                     return

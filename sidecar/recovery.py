@@ -33,7 +33,8 @@ class GroupSignals:
             gid: metrics.cell(S.GROUP_HITS, group=label, group_kind=kind)
             for gid, (label, kind) in labels.items()}
         self._unknown_hits = metrics.cell(S.GROUP_HITS, group=UNKNOWN, group_kind=UNKNOWN)
-        self._single = next(iter(self._hits.values())) if len(self._hits) == 1 else None
+        # One group: every hit is a hit of that group, one cell the Monitor adds to inline.
+        self.single = next(iter(self._hits.values())) if len(self._hits) == 1 else None
         self._ends: dict[tuple[int, TierState], Any] = {}
         self._durations: dict[int, Any] = {}
         for gid, (label, _) in [*labels.items(), (-1, (UNKNOWN, UNKNOWN))]:
@@ -51,8 +52,8 @@ class GroupSignals:
 
     def on_hit(self, hit: Hit) -> None:
         """One more hit in every group the hit lists (one add for a one-group engine)."""
-        if self._single is not None:
-            self._single.value += 1
+        if self.single is not None:
+            self.single.value += 1
             return
         hits = self._hits
         for gid in hit.blocks:
