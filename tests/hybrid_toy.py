@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import (
     AllocatorState,
     BlockKV,
@@ -42,6 +43,7 @@ NULL = 0
 LAYERS = {FULL: (0, 1), SLIDING: (2, 3), RECURRENT: (4, 5)}
 STATE, STATE2 = (3, 5), (4,)
 NOISE = {torch.float32: 1e-6, torch.bfloat16: 2e-3}  # recompute noise, relative
+PROMPT = list(range(100, 124))  # 6 full blocks
 
 
 def groups() -> tuple[CacheGroup, ...]:
@@ -165,3 +167,16 @@ class HybridToyAdapter:
 
     def allocator(self) -> AllocatorState | None:
         return None
+
+
+def make(dtype: torch.dtype = torch.float32, **config) -> tuple[HybridToyEngine,
+                                                                 HybridToyAdapter, Monitor]:
+    """A toy engine wired to a Monitor that verifies every hit inline, every block."""
+    engine = HybridToyEngine(sink=None, dtype=dtype)
+    adapter = HybridToyAdapter(engine)
+    cfg = SidecarConfig(**{"sample_every": 1, "blocks_per_sample": 8, "dispatch": "inline",
+                           "recompute_tokens_per_s": 0, "adapter_timeout_s": 5.0,
+                           "allocator_every_s": 0, **config})
+    monitor = Monitor(adapter, cfg)
+    engine.sink = monitor
+    return engine, adapter, monitor

@@ -9,8 +9,7 @@ import threading
 from sidecar import signals as S
 from sidecar.protocol import TierState
 from sidecar.signals import DropReason
-from tests.hybrid_toy import FULL, RECURRENT, SLIDING
-from tests.test_hybrid_checks import PROMPT, make
+from tests.hybrid_toy import FULL, PROMPT, RECURRENT, SLIDING, make
 
 
 def test_on_tier_counts_recoveries_by_group_and_outcome_with_their_latency():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sidecar import signals as S
-from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.monitor import Monitor
 from sidecar.protocol import Hit, TierState
 from sidecar.sampling import UniformSampler, choose_blocks
 from sidecar.signals import AnomalyKind as K
@@ -18,30 +18,18 @@ from tests.hybrid_toy import (
     BS,
     FULL,
     NULL,
+    PROMPT,
     RECURRENT,
     SLIDING,
-    HybridToyAdapter,
     HybridToyEngine,
     groups,
+    make,
     model_kv,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-PROMPT = list(range(100, 124))  # 6 full blocks
 KIND_OF = {FULL: "full_attention", SLIDING: "sliding_window", RECURRENT: "recurrent_state"}
 LABEL = {FULL: "full", SLIDING: "swa", RECURRENT: "conv"}
-
-
-def make(dtype: torch.dtype = torch.float32, **config) -> tuple[HybridToyEngine,
-                                                                 HybridToyAdapter, Monitor]:
-    engine = HybridToyEngine(sink=None, dtype=dtype)
-    adapter = HybridToyAdapter(engine)
-    cfg = SidecarConfig(**{"sample_every": 1, "blocks_per_sample": 8, "dispatch": "inline",
-                           "recompute_tokens_per_s": 0, "adapter_timeout_s": 5.0,
-                           "allocator_every_s": 0, **config})
-    monitor = Monitor(adapter, cfg)
-    engine.sink = monitor
-    return engine, adapter, monitor
 
 
 def served(engine: HybridToyEngine, monitor: Monitor, prompt=PROMPT, edit=None,
