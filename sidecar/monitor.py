@@ -127,9 +127,9 @@ class Monitor:
         self._c_hit_tokens = m.cell(S.HIT_TOKENS)
         self._h_latency = m.cell(S.REQUEST_LATENCY)
         self.group_signals = GroupSignals(m, self.info)  # hits per group, tier recoveries
-        self._group_hit = self.group_signals.on_hit
-        self._c_group_hits = self.group_signals.single  # one-group engines: one cell
-        self._should_sample = self.sampler.should_sample
+        # Hits per cache group: a one-group engine's series is the hits cell itself (no
+        # hot-path cost); a hybrid one counts the groups of each hit on the way to sampling.
+        self._should_sample = self.group_signals.wrap(self.sampler.should_sample)
         self._journal_store = self.journal.store
         self._journal_free = self.journal.free
         self._nudge = self.poller.nudge
@@ -176,13 +176,7 @@ class Monitor:
             self._c_hits.value += 1
             self._c_hit_tokens.value += h
             hit = lookup.hit
-            if hit is None:
-                return
-            if self._c_group_hits is not None:
-                self._c_group_hits.value += 1
-            else:
-                self._group_hit(hit)
-            if self._should_sample(hit):
+            if hit is not None and self._should_sample(hit):
                 if self._reject("on_lookup", HI.check_lookup(lookup)):
                     return
                 self._enqueue(hit, lookup.seq_id, h)
@@ -204,7 +198,7 @@ class Monitor:
             self._c_hits.value += 1
             self._c_hit_tokens.value += lookup.hit_tokens
             hit = lookup.hit
-            self._group_hit(hit)
+            self.group_signals.on_hit(hit)
             captured = {b.ref: b for b in blocks}
             refs = tuple(sorted(captured, key=lambda r: (r.group_id, r.index)))
             if not refs:

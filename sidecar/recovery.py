@@ -11,6 +11,7 @@ rejected with a reason (``hook_input_rejected_total{hook="on_tier"}``), never ap
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from sidecar import signals as S
@@ -33,8 +34,12 @@ class GroupSignals:
             gid: metrics.cell(S.GROUP_HITS, group=label, group_kind=kind)
             for gid, (label, kind) in labels.items()}
         self._unknown_hits = metrics.cell(S.GROUP_HITS, group=UNKNOWN, group_kind=UNKNOWN)
-        # One group: every hit is a hit of that group, one cell the Monitor adds to inline.
-        self.single = next(iter(self._hits.values())) if len(self._hits) == 1 else None
+        self.single = len(labels) == 1
+        if self.single:  # every hit is a hit of the one group: share the hits cell
+            (gid, (label, kind)), = labels.items()
+            hits = metrics.cell(S.HITS)
+            metrics.instruments.family(S.GROUP_HITS).series[(label, kind)] = hits
+            self._hits[gid] = hits
         self._ends: dict[tuple[int, TierState], Any] = {}
         self._durations: dict[int, Any] = {}
         for gid, (label, _) in [*labels.items(), (-1, (UNKNOWN, UNKNOWN))]:
@@ -50,10 +55,22 @@ class GroupSignals:
         for why in InputReject:
             metrics.inc(S.HOOK_INPUT_REJECTED, 0, hook="on_tier", reason=why.value)
 
+    def wrap(self, should_sample: Callable[[Hit], bool]) -> Callable[[Hit], bool]:
+        """The hot path's sampling decision, counting a hybrid hit's groups first; a
+        one-group engine's is returned as is (its group's hits are the hits counter)."""
+        if self.single:
+            return should_sample
+        on_hit = self.on_hit
+
+        def count_then_decide(hit: Hit) -> bool:
+            on_hit(hit)
+            return should_sample(hit)
+        return count_then_decide
+
     def on_hit(self, hit: Hit) -> None:
-        """One more hit in every group the hit lists (one add for a one-group engine)."""
-        if self.single is not None:
-            self.single.value += 1
+        """One more hit in every group the hit lists (a one-group engine counts them in
+        the hits counter itself)."""
+        if self.single:
             return
         hits = self._hits
         for gid in hit.blocks:

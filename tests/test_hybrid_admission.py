@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import threading
 
+from prometheus_client import generate_latest
+
 from sidecar import signals as S
 from sidecar.protocol import TierState
 from sidecar.signals import DropReason
@@ -114,3 +116,18 @@ def test_recovery_cap_bounds_verifications_of_tier_served_hits_only():
     engine.serve(PROMPT[:8])
     assert m.value(S.SAMPLES_DROPPED.name, reason=DropReason.ADMISSION.value) == 1
     assert m.value_sum(S.ANOMALIES.name) == 0
+
+
+def test_a_one_group_engine_counts_its_group_hits_in_the_hits_counter_itself():
+    from tests.conftest import make_toy
+
+    engine, _, monitor = make_toy(sample_every=1000)
+    for n in range(5):
+        engine.serve([1, 2, 3, 4, 5, 6, 7, 8, n])
+    m = monitor.metrics
+    assert m.value(S.HITS.name) == 4
+    assert m.value(S.GROUP_HITS.name, group="0", group_kind="full_attention") == 4
+    text = generate_latest(m.registry).decode()
+    assert f'{S.GROUP_HITS.name}{{engine="toy",group="0",group_kind="full_attention",' \
+           f'model="toy-model"}} 4.0' in text
+    monitor.stop()
