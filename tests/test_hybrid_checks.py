@@ -234,3 +234,18 @@ def test_a_null_block_chosen_by_another_sampler_is_never_read_as_kv():
     v = monitor.verify_sample(Sample(hit, refs, {}, 0.0))
     assert not v.findings
     assert reads and all(r.block_id != NULL for r in reads)
+
+
+def test_coverage_check_on_odd_tables():
+    from sidecar.checks.coverage import check_coverage
+    from sidecar.protocol import CacheGroup, EngineInfo, GroupKind
+
+    tier = CacheGroup(9, GroupKind.OFFLOADED_TIER, (0,), name="cpu")
+    info = EngineInfo("t", "m", "r", "float32", BS, 2, 8, (*groups(), tier))
+    blocks = {FULL: [1, 2], SLIDING: [3, 4], RECURRENT: [0, 5]}
+    assert check_coverage(Hit((), 8, blocks), info) == []  # the tier group: not required
+    assert [(f.kind, f.group_id, f.block_index) for f in check_coverage(
+        Hit((), 8, {**blocks, 9: [7]}), info)] == [(K.MISSING_GROUP_STATE, 9, 1)]
+    odd = check_coverage(Hit((), 8, {**blocks, FULL: "ab", SLIDING: [3, None]}), info)
+    assert {(f.kind, f.group_id) for f in odd} == {(K.MISSING_GROUP_STATE, FULL)}
+    assert check_coverage(Hit((), 3, {}), info) == []  # no full block: nothing required

@@ -16,7 +16,10 @@ it must hold:
 Positions a group need not cover are never judged here: a sliding-window group's blocks
 before its window are legitimately null or freed, and a *real* block there is fine too (an
 engine may free out-of-window blocks lazily; attention never reads them, so their content
-cannot hurt the request). A recurrent group needs only its last boundary.
+cannot hurt the request). A recurrent group needs only its last boundary. A group of kind
+``offloaded_tier`` is judged only on hits that list it (a tier is where blocks may come
+from, not state every hit holds); tier entries of the other groups come as
+``Hit.tier_states``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 
 from sidecar.checks.base import Finding
 from sidecar.coverage import is_null, required_blocks
-from sidecar.protocol import CacheGroup, EngineInfo, Hit, TierState
+from sidecar.protocol import CacheGroup, EngineInfo, GroupKind, Hit, TierState
 from sidecar.signals import AnomalyKind
 
 # Tier states a hit may be served from (see TierState).
@@ -38,6 +41,8 @@ def check_coverage(hit: Hit, info: EngineInfo) -> list[Finding]:
     null or unloaded position. O(required blocks); runs only for sampled hits."""
     out: list[Finding] = []
     for group in info.groups:
+        if group.kind is GroupKind.OFFLOADED_TIER and group.group_id not in hit.blocks:
+            continue  # a tier is where blocks may come from, not state every hit holds
         need = required_blocks(group, hit.hit_tokens, info.block_size)
         if need:
             out.extend(_group_coverage(hit, group, need))
@@ -47,7 +52,8 @@ def check_coverage(hit: Hit, info: EngineInfo) -> list[Finding]:
 def _group_coverage(hit: Hit, group: CacheGroup, need: range) -> list[Finding]:
     ids = hit.blocks.get(group.group_id)
     what = f"group {group.label} ({group.kind.value})"
-    if not isinstance(ids, Sequence) or len(ids) <= need.start:
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)) \
+            or len(ids) <= need.start:
         return [Finding(AnomalyKind.MISSING_GROUP_STATE, group.group_id, need.start,
                         f"{what} has no block for positions {need.start}..{need.stop - 1} "
                         "of the hit: the hit cannot be served by this group")]
