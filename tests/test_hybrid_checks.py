@@ -249,3 +249,8 @@ def test_coverage_check_on_odd_tables():
     odd = check_coverage(Hit((), 8, {**blocks, FULL: "ab", SLIDING: [3, None]}), info)
     assert {(f.kind, f.group_id) for f in odd} == {(K.MISSING_GROUP_STATE, FULL)}
     assert check_coverage(Hit((), 3, {}), info) == []  # no full block: nothing required
+    for junk in (None, "loaded", {FULL: 5}):  # an engine bug in tier_states: no verdict
+        assert check_coverage(Hit((), 8, blocks, tier_states=junk), info) == []  # type: ignore
+    states = {SLIDING: ["resident", "loading"]}  # plain strings are states too
+    assert [(f.kind, f.group_id, f.block_index) for f in check_coverage(
+        Hit((), 8, blocks, tier_states=states), info)] == [(K.TIER_NOT_LOADED, SLIDING, 1)]

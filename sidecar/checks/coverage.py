@@ -24,7 +24,7 @@ from, not state every hit holds); tier entries of the other groups come as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sidecar.checks.base import Finding
 from sidecar.coverage import is_null, required_blocks
@@ -62,7 +62,7 @@ def _group_coverage(hit: Hit, group: CacheGroup, need: range) -> list[Finding]:
         out.append(Finding(AnomalyKind.MISSING_GROUP_STATE, group.group_id, len(ids),
                            f"{what} holds {len(ids)} blocks, the hit needs blocks up to "
                            f"#{need.stop - 1}"))
-    states = hit.tier_states.get(group.group_id) or ()
+    states = _tier_states(hit, group.group_id) or ()
     for i in range(need.start, min(need.stop, len(ids))):
         try:
             block_id = int(ids[i])
@@ -86,8 +86,16 @@ def _state(state: object) -> str:
 def tier_state_at(hit: Hit, group_id: int, index: int) -> TierState | None:
     """The tier state of a hit's block at match time; ``None`` when it is device-resident
     (never went through a tier)."""
-    states = hit.tier_states.get(group_id)
+    states = _tier_states(hit, group_id)
     if not states or index >= len(states):
         return None
     state = states[index]
     return state if isinstance(state, TierState) else None
+
+
+def _tier_states(hit: Hit, group_id: int) -> Sequence[object] | None:
+    """The hit's tier states of one group; ``None`` for anything but a sequence (an
+    engine bug is no reason to fail the verification)."""
+    tiers = hit.tier_states
+    states = tiers.get(group_id) if isinstance(tiers, Mapping) else None
+    return states if isinstance(states, Sequence) else None
