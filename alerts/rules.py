@@ -147,6 +147,10 @@ HOOK_ERRORS_RECENT = _name("instance_hook", S.HOOK_ERRORS, "increase10m")
 ADAPTER_ERRORS_RECENT = _name("instance_op_reason", S.ADAPTER_ERRORS, "increase10m")
 # The black-box canary's hit-counter audit (sidecar/canary).
 HIT_AUDIT_RECENT = _name("instance_kind", S.HIT_AUDIT_MISMATCHES, "increase10m")
+# Hybrid caches: offload-tier recoveries (loads) reported through on_tier.
+RECOVERIES_RATE = _name("instance_outcome", S.RECOVERIES, "rate5m")
+RECOVERY_FAILURE_RATIO = _name("instance", S.RECOVERIES, "failed_ratio_rate5m")
+RECOVERY_P99 = _name("instance", S.RECOVERY_DURATION, "p99_rate5m")
 
 
 def recording_rules(cfg: MixinConfig) -> list[Recording]:
@@ -190,6 +194,20 @@ def recording_rules(cfg: MixinConfig) -> list[Recording]:
         Recording(HIT_AUDIT_RECENT, q.new_or_increased(S.HIT_AUDIT_MISMATCHES, "kind")),
         Recording(HOOK_ERRORS_RECENT, q.new_or_increased(S.HOOK_ERRORS, "hook")),
         Recording(ADAPTER_ERRORS_RECENT, q.new_or_increased(S.ADAPTER_ERRORS, "op, reason")),
+        *_recovery_rules(cfg, q),
+    ]
+
+
+def _recovery_rules(cfg: MixinConfig, q: _Q) -> list[Recording]:
+    """Offload-tier recoveries: loads by outcome, the failed share, the P99 load time."""
+    w = cfg.rate_window
+    failed = (f"sum by ({q.by}) (rate({S.RECOVERIES.name}{{{cfg.selector}, "
+              f'outcome="{S.RecoveryOutcome.FAILED.value}"}}[{w}]))')
+    return [
+        Recording(RECOVERIES_RATE, q.rate(S.RECOVERIES, w, extra_by="outcome")),
+        Recording(RECOVERY_FAILURE_RATIO, f"{failed}\n/\n{q.rate(S.RECOVERIES, w)}"),
+        Recording(RECOVERY_P99, f"histogram_quantile(0.99, sum by ({q.by}, le) "
+                                f"(rate({q.sel(S.RECOVERY_DURATION, '_bucket')}[{w}]))) >= 0"),
     ]
 
 
@@ -312,6 +330,21 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"{_COUNT} canary probe(s) in the last {ew} {_WHERE} found the server's own "
               "hit counters wrong ({{ $labels.kind }}): its reported hit rate cannot be "
               "trusted for capacity, cost or cache-health decisions."),
+        # Hybrid caches: the offload tier's loads (recoveries), from on_tier.
+        Alert("KVCacheRecoveryFailures",
+              f"{RECOVERY_FAILURE_RATIO} > {t.recovery_failure_ratio:g}", "10m", WARNING,
+              "Offload-tier loads (recoveries) are failing.",
+              f"{_PCT} of offload-tier loads failed over the last {cfg.rate_window} {_WHERE} "
+              f"(threshold {percent(t.recovery_failure_ratio)}): those hits must be "
+              "recomputed, and a failed load served as a hit is wrong KV "
+              "(tier_not_loaded anomalies)."),
+        Alert("KVCacheRecoveryLatencyHigh",
+              f"{RECOVERY_P99} > {t.recovery_p99_seconds:g}", "15m", WARNING,
+              "Offload-tier loads (recoveries) are slow.",
+              f'P99 offload-tier load time over {cfg.rate_window} is '
+              f'{{{{ printf "%.2f" $value }}}}s {_WHERE} '
+              f"(threshold {t.recovery_p99_seconds:g}s): hits served from the tier wait on "
+              "it, and a slow copy back widens the window for partial loads."),
     ]
 
 

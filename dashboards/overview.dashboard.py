@@ -189,6 +189,29 @@ fleet = [
      24, 9),
 ]
 
+# Hybrid caches (issue 11): each cache group (full attention, sliding window, recurrent
+# state, offload tier) must hold recoverable state; the tier's loads are recoveries.
+hybrid = [
+    (timeseries("Hits by cache group", "Hits served through each cache group: a hybrid hit "
+                "needs every group (full, sliding window, recurrent state) to serve it.",
+                "cps", [(rate(S.GROUP_HITS, "group, group_kind"),
+                         "{{group}} ({{group_kind}})")]), 6, 8),
+    (timeseries("Anomalies by group kind", "Which kind of cache group holds the wrong state, "
+                "and how (window_mismatch, missing_group_state, null_block_read, "
+                "stale_recurrent_state, tier_not_loaded, partial_load, ...).", "cps",
+                [(rate(S.GROUP_KIND_ANOMALIES, "group_kind, kind"),
+                  "{{group_kind}}: {{kind}}")], steps("green", (ANY, "red"))), 6, 8),
+    (timeseries("Tier recoveries by outcome", "Offload-tier loads reported by the engine, "
+                "by cache group, loaded or failed (a failed share above "
+                f"{T.recovery_failure_ratio:.0%} warns: KVCacheRecoveryFailures).", "cps",
+                [(rate(S.RECOVERIES, "group, outcome"), "{{group}} {{outcome}}")]), 6, 8),
+    (timeseries("Tier recovery time", "How long offload-tier loads take (P50/P99 from the "
+                "histogram); the line is the KVCacheRecoveryLatencyHigh threshold.", "s",
+                [(quantile(0.5, S.RECOVERY_DURATION), "P50"),
+                 (quantile(0.99, S.RECOVERY_DURATION), "P99")],
+                steps("green", (T.recovery_p99_seconds, "orange"))), 6, 8),
+]
+
 dashboard = Dashboard(
     title="kv-sidecar / Overview",
     uid="kv-sidecar-overview",
@@ -208,6 +231,7 @@ dashboard = Dashboard(
         ("Allocator health", allocator),
         ("Latency", latency),
         ("Fleet", fleet),
+        ("Hybrid caches", hybrid),
     ]),
 ).auto_panel_ids()
 

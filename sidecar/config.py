@@ -73,6 +73,12 @@ class SidecarConfig:
     breaker_anomalies: int = 3
     breaker_window_s: float = 60.0
     breaker_probes: int = 5
+    # Admission control (sidecar/admission.py, hcore): at most this many adapter recomputes
+    # in flight at once (abandoned timed-out ones included) and this many verifications of
+    # tier-recovered blocks; over the cap a sample is dropped (reason "admission"). <= 0:
+    # no cap.
+    max_concurrent_recomputes: int = 2
+    max_concurrent_recoveries: int = 4
 
     def validate(self) -> None:
         """Every field against :data:`LIMITS` (the one table the config file, the

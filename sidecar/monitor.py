@@ -47,7 +47,9 @@ from sidecar.protocol import (
     Lookup,
     SequenceId,
     StoredBlock,
+    TierState,
 )
+from sidecar.recovery import GroupSignals
 from sidecar.report import VerdictReporter
 from sidecar.sampling import Sampler, UniformSampler
 from sidecar.scrub import Scrubber, ScrubSettings
@@ -64,7 +66,7 @@ _TOKEN_SEQS = (list, tuple, range)  # sequences the O(1) door lets through unexa
 
 # The hooks whose errors are counted (kvsidecar_hook_errors_total{hook}), created at 0.
 HOOKS = ("on_lookup", "on_captured", "on_store", "on_free", "on_request_done", "on_allocate",
-         "on_release", "capture")
+         "on_release", "capture", "on_tier")
 
 
 class Monitor:
@@ -90,7 +92,9 @@ class Monitor:
                                  TokenBucket(c.recompute_tokens_per_s),
                                  recompute=c.recompute, epoch_of=self._epoch_now,
                                  calibration=Calibration(self.info.dtype, self.info.kv_storage,
-                                                         calibration_config(c)))
+                                                         calibration_config(c)),
+                                 max_recomputes=c.max_concurrent_recomputes,
+                                 max_recoveries=c.max_concurrent_recoveries)
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
         self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
@@ -124,7 +128,10 @@ class Monitor:
         self._c_hits = m.cell(S.HITS)
         self._c_hit_tokens = m.cell(S.HIT_TOKENS)
         self._h_latency = m.cell(S.REQUEST_LATENCY)
-        self._should_sample = self.sampler.should_sample
+        self.group_signals = GroupSignals(m, self.info)  # hits per group, tier recoveries
+        # Hits per cache group: a one-group engine's series is the hits cell itself (no
+        # hot-path cost); a hybrid one counts the groups of each hit on the way to sampling.
+        self._should_sample = self.group_signals.wrap(self.sampler.should_sample)
         self._journal_store = self.journal.store
         self._journal_free = self.journal.free
         self._nudge = self.poller.nudge
@@ -208,6 +215,7 @@ class Monitor:
             self._c_hits.value += 1
             self._c_hit_tokens.value += lookup.hit_tokens
             hit = lookup.hit
+            self.group_signals.on_hit(hit)
             captured = {b.ref: b for b in blocks}
             refs = tuple(sorted(captured, key=lambda r: (r.group_id, r.index)))
             if not refs:
@@ -268,6 +276,20 @@ class Monitor:
         except Exception as exc:
             self._hook_failed("on_release", exc)
 
+    def on_tier(self, group_id: int, block_id: int, state: TierState,
+                seconds: float | None = None) -> None:
+        """Optional :class:`sidecar.protocol.TierSink` event: an offload-tier entry moved to
+        ``state``; a finished load feeds the recovery signals (:mod:`sidecar.recovery`).
+        O(1), never raises; bad input is counted and dropped."""
+        try:
+            if self._reject("on_tier", self.group_signals.on_tier(group_id, block_id, state,
+                                                                  seconds)):
+                return
+            if self.scrubber is not None:  # a block back from a tier is scrubbed soon
+                self.scrubber.on_tier(group_id, block_id, state, seconds)
+        except Exception as exc:
+            self._hook_failed("on_tier", exc)
+
     def on_request_done(self, latency_seconds: float) -> None:
         try:
             x = latency_seconds
@@ -285,7 +307,7 @@ class Monitor:
         """The blocks to check, their store records and epochs as they are now (match
         time), and, where the adapter can, a capture of the KV the request is served."""
         refs = tuple(self.sampler.choose(hit, self.info.block_size,
-                                         self.config.blocks_per_sample))
+                                         self.config.blocks_per_sample, self.info.groups))
         if not refs:
             return None
         return self._take(hit, refs, self._capture_now(hit, refs))

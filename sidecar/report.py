@@ -36,6 +36,7 @@ class VerdictReporter:
         self._requests_done = requests_done
         self._on_anomaly = on_anomaly
         self._groups = {g.group_id: g.label for g in info.groups}
+        self._group_kinds = {g.group_id: g.kind.value for g in info.groups}
         self.first_anomaly_request: int | None = None
         self.max_recompute_error = 0.0
         self.last_verification: float | None = None
@@ -60,6 +61,8 @@ class VerdictReporter:
                 continue
             seen.add(key)
             m.inc(S.ANOMALIES, group=self._group(f.group_id), kind=f.kind.value)
+            m.inc(S.GROUP_KIND_ANOMALIES, group_kind=self._group_kinds.get(
+                f.group_id, "unknown"), kind=f.kind.value)
         for reason, n in verdict.dropped.items():
             m.inc(S.SAMPLES_DROPPED, n, reason=reason.value)
         for op, why in verdict.adapter_errors:

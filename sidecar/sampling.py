@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
-from sidecar.protocol import BlockRef, Hit, SequenceId, StoredBlock
+from sidecar.coverage import is_null, required_blocks
+from sidecar.protocol import BlockRef, CacheGroup, Hit, SequenceId, StoredBlock
 
 
 class Sampler(Protocol):
@@ -36,7 +37,8 @@ class Sampler(Protocol):
 
     def should_sample(self, hit: Hit) -> bool: ...
 
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]: ...
+    def choose(self, hit: Hit, block_size: int, max_blocks: int,
+               groups: Sequence[CacheGroup] = ()) -> list[BlockRef]: ...
 
     def feedback(self, hit: Hit, anomalous: bool) -> None: ...
 
@@ -62,8 +64,9 @@ class UniformSampler:
         self._countdown = self.every
         return True
 
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
-        return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block)
+    def choose(self, hit: Hit, block_size: int, max_blocks: int,
+               groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
+        return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block, groups)
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
@@ -101,8 +104,9 @@ class WeightedSampler:
             self._credit -= self.every
             return True
 
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
-        return choose_blocks(hit, block_size, max_blocks, self._rng)
+    def choose(self, hit: Hit, block_size: int, max_blocks: int,
+               groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
+        return choose_blocks(hit, block_size, max_blocks, self._rng, groups=groups)
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
@@ -215,24 +219,45 @@ class AdaptiveSampler(WeightedSampler):
 
 
 def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
-                  rng: random.Random, last_block: bool = True) -> list[BlockRef]:
-    """The last full block of the hit in every group, plus up to ``max_blocks - 1`` earlier
-    blocks chosen at random (the same indices across groups, so a hybrid hit is checked
-    group by group at the same positions). ``last_block=False`` picks every block at random
-    (a baseline for the benchmark, not a production policy)."""
+                  rng: random.Random, last_block: bool = True,
+                  groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
+    """Per cache group: the last block the group must hold, plus up to ``max_blocks - 1``
+    earlier ones chosen at random, all among the positions the group must cover
+    (:func:`sidecar.coverage.required_blocks`: a sliding-window group's window, a recurrent
+    group's last boundary) and never one of its null (padding) blocks, which hold no KV.
+    A null block or a gap where a group must hold state is not chosen but found by the
+    verifier's coverage check, which looks at the whole hit.
+
+    ``groups`` is the engine's :class:`CacheGroup` list (``EngineInfo.groups``); a group the
+    hit names that is not in it (or no list at all) is treated as full attention.
+    ``last_block=False`` picks every block at random (a baseline for the benchmark, not a
+    production policy)."""
     n_full = hit.hit_tokens // block_size
     if n_full <= 0 or max_blocks <= 0:
         return []
-    if last_block:
-        indices = {n_full - 1}
-        extra = min(max_blocks - 1, n_full - 1)
-        if extra > 0:  # sampling a range is O(extra), whatever the hit's length
-            indices.update(rng.sample(range(n_full - 1), extra))
-    else:
-        indices = set(rng.sample(range(n_full), min(max_blocks, n_full)))
+    by_id = {g.group_id: g for g in groups}
     refs: list[BlockRef] = []
     for group_id, block_ids in sorted(hit.blocks.items()):
-        for i in sorted(indices):
-            if i < len(block_ids):
-                refs.append(BlockRef(group_id=group_id, index=i, block_id=int(block_ids[i])))
+        group = by_id.get(group_id)
+        span = required_blocks(group, hit.hit_tokens, block_size) if group is not None \
+            else range(n_full)
+        span = range(span.start, min(span.stop, len(block_ids)))
+        if not span:
+            continue
+        for i in sorted(_pick(span, max_blocks, rng, last_block)):
+            b = int(block_ids[i])
+            if group is None or not is_null(group, b):
+                refs.append(BlockRef(group_id=group_id, index=i, block_id=b))
     return refs
+
+
+def _pick(span: range, max_blocks: int, rng: random.Random, last_block: bool) -> set[int]:
+    """Indices of ``span`` to check: its last one plus random earlier ones (or all at
+    random). Sampling a range is O(picked), whatever the hit's length."""
+    if last_block:
+        picked = {span[-1]}
+        extra = min(max_blocks - 1, len(span) - 1)
+        if extra > 0:
+            picked.update(rng.sample(span[:-1], extra))
+        return picked
+    return set(rng.sample(span, min(max_blocks, len(span))))

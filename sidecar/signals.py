@@ -423,6 +423,11 @@ class Thresholds:
     # A background scrub pass not completed for this long (while a scrub runs) warns
     # (KVSidecarScrubOverdue; sidecar/scrub.py). Keep it above a pass's expected duration.
     scrub_pass_overdue_seconds: float = 3600.0
+    # --- hybrid caches (hcore): offload-tier recoveries (loads) seen through on_tier.
+    # More than this share of loads ending "failed" over the rate window is a warning.
+    recovery_failure_ratio: float = 0.05
+    # A P99 load (recovery) time above this, in seconds, is a warning: hits wait on it.
+    recovery_p99_seconds: float = 1.0
 
 
 THRESHOLDS = Thresholds()
@@ -543,3 +548,36 @@ SCRUB_ACTION_SIGNALS: tuple[Signal, ...] = (
 )
 ALL_SIGNALS = (*ALL_SIGNALS, *SCRUB_ACTION_SIGNALS)
 # --- end of the scrub and actions block.
+# --- hybrid caches (hcore, issue 11): per cache-group kind, and offload-tier recoveries.
+# Bounded labels: group (the engine's few cache groups), group_kind (GroupKind), kind
+# (AnomalyKind), outcome (RecoveryOutcome). New series, so no existing one gains a label.
+GROUP_HITS = _s("group_hits_total", C,
+                "Hits served through each cache group (a hybrid hit counts once in every "
+                "group that lists blocks for it), by group and its kind.",
+                ("group", "group_kind"))
+GROUP_KIND_ANOMALIES = _s("group_kind_anomalies_total", C,
+                          "Anomalies by the kind of cache group they were found in "
+                          "(full_attention, sliding_window, recurrent_state, ...) and by "
+                          "anomaly kind: anomalies_total summed over groups of a kind.",
+                          ("group_kind", "kind"))
+RECOVERIES = _s("recoveries_total", C,
+                "Offload-tier loads (recoveries) the engine reported finished, by cache "
+                "group and outcome (loaded, failed).", ("group", "outcome"))
+RECOVERY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0)
+RECOVERY_DURATION = _s("recovery_duration_seconds", H,
+                       "Time an offload-tier load (recovery) took, from the engine's on_tier "
+                       "report, by cache group.", ("group",), unit="seconds",
+                       buckets=RECOVERY_BUCKETS)
+HYBRID_SIGNALS: tuple[Signal, ...] = (
+    GROUP_HITS, GROUP_KIND_ANOMALIES, RECOVERIES, RECOVERY_DURATION,
+)
+ALL_SIGNALS = (*ALL_SIGNALS, *HYBRID_SIGNALS)
+
+
+class RecoveryOutcome(enum.StrEnum):
+    """The value of the ``outcome`` label of :data:`RECOVERIES`."""
+
+    LOADED = "loaded"
+    FAILED = "failed"
+# --- end of the hybrid caches' block.

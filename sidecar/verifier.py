@@ -1,7 +1,9 @@
 """The verifier: runs the checks on one sampled hit, cheapest first, and returns a Verdict.
 
 Order (each stage only spends what the previous ones could not decide):
-  1. key consistency (generation, token digest, key fields) — no adapter call at all;
+  1. key consistency (generation, token digest, key fields) and, per cache group, coverage
+     (every group holds real, loaded state where it must: :mod:`sidecar.checks.coverage`)
+     — no adapter call at all;
   2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
      legitimately reused before we got to them: dropped, not flagged;
   3. structure, content stats, write-time fingerprint — on the bytes just read;
@@ -9,7 +11,14 @@ Order (each stage only spends what the previous ones could not decide):
      only for blocks no earlier stage already condemned. The tolerance is per reference kind
      (the adapter's ``reference_kind``: "independent" unless it says "engine") and dtype, and
      may be calibrated from the first clean blocks (:mod:`sidecar.calibration`); every
-     block's error is on the verdict (``errors``) for the error histogram.
+     block's error is on the verdict (``errors``) for the error histogram. Each group is
+     compared on the positions it keeps (block choice: :mod:`sidecar.sampling`) and its own
+     layers; a failed compare is explained per group kind (:mod:`sidecar.checks.hybrid`:
+     window off by a block, stale recurrent state, partial tier load).
+
+Admission (:mod:`sidecar.admission`): recomputes in flight and verifications of blocks
+recovered through an offload tier are capped; over a cap the sample is dropped
+(``admission``), never queued.
 """
 
 from __future__ import annotations
@@ -23,15 +32,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sidecar.admission import Gate
 from sidecar.calibration import Calibration
 from sidecar.checks.base import Finding
 from sidecar.checks.content import check_content
+from sidecar.checks.coverage import check_coverage, tier_state_at
 from sidecar.checks.fingerprint import check_fingerprint
+from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
 from sidecar.checks.structure import check_structure
 from sidecar.guard import AdapterRefused, AdapterTimeout, Guard
-from sidecar.protocol import Adapter, BlockKV, BlockRef, EngineInfo, Hit
+from sidecar.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 from sidecar.signals import AnomalyKind, DropReason
 from sidecar.tolerance import REFERENCE_KINDS
 
@@ -108,7 +120,8 @@ class Verifier:
     def __init__(self, adapter: Adapter, info: EngineInfo, guard: Guard,
                  budget: TokenBucket, recompute: bool = True,
                  epoch_of: Callable[[int, int], int] | None = None,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None,
+                 max_recomputes: int = 0, max_recoveries: int = 0) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
         # An adapter that can only copy KV at match time (an out-of-process probe) says so
@@ -120,6 +133,9 @@ class Verifier:
         self.recompute = recompute
         self.calibration = calibration or Calibration(info.dtype, info.kv_storage)
         self._layers = {g.group_id: len(g.layers) for g in info.groups}
+        self._groups = {g.group_id: g for g in info.groups}
+        self.recomputes = Gate("recompute", max_recomputes)
+        self.recoveries = Gate("recovery", max_recoveries)
 
     @property
     def reference_kind(self) -> str:
@@ -137,9 +153,19 @@ class Verifier:
     def verify(self, sample: Sample) -> Verdict:
         started = time.perf_counter()
         verdict = Verdict(sample)
+        # Blocks served through an offload tier are re-read through its load path: a
+        # recovery slot for the whole verification, or the sample is dropped.
+        recovered = any(tier_state_at(sample.hit, r.group_id, r.index) is not None
+                        for r in sample.refs)
+        slot = self.recoveries.enter() if recovered else None
         try:
-            self._run(sample, verdict)
+            if recovered and slot is None:
+                _drop(verdict, DropReason.ADMISSION, len(sample.refs))
+            else:
+                self._run(sample, verdict)
         finally:
+            if slot is not None:
+                slot.release()
             verdict.duration_s = time.perf_counter() - started
         return verdict
 
@@ -154,16 +180,26 @@ class Verifier:
         digests = hit_digests(hit, bs, max(r.index for r in refs))
         condemned: set[BlockRef] = set()
         for ref in refs:
-            found = check_keys(hit, ref, sample.records.get(ref), bs,
-                               _generation_at_hit(hit, ref), digests)
+            record = sample.records.get(ref)
+            found = check_keys(hit, ref, record, bs, _generation_at_hit(hit, ref), digests)
+            if found and record is not None:  # stored one block off / an earlier boundary
+                group = self._groups.get(ref.group_id)
+                found = [misplaced(group, ref, record.prefix_tokens, bs, f) for f in found]
             if found:
                 condemned.add(ref)
                 verdict.findings.extend(found)
+        coverage = check_coverage(hit, self.info)
+        if coverage:  # a chosen block at a position the coverage check condemned
+            verdict.findings.extend(coverage)
+            at = {(f.group_id, f.block_index) for f in coverage}
+            condemned.update(r for r in refs if (r.group_id, r.index) in at)
 
         # What was served: the capture where there is one, else the block as read now.
         # A captured block is read too, to tell "changed after serving" apart.
         captured = sample.captured or {}
-        undecided = [r for r in refs if r not in condemned]
+        # A null (padding) block holds no KV: never read, whoever chose it (a probe's own
+        # sampler); one at a position its group must cover was reported by the coverage check.
+        undecided = [r for r in refs if r not in condemned and not self._null(r)]
         served: dict[BlockRef, BlockKV] = {r: captured[r] for r in undecided if r in captured}
         to_read = undecided if self.reread else [r for r in undecided if r not in served]
         cached = self._call("read", self.adapter.read, verdict, hit, to_read,
@@ -191,7 +227,12 @@ class Verifier:
         passed: list[BlockKV] = []
         for ref, block in served.items():
             n_layers = self._layers.get(ref.group_id, block.key.shape[0])
-            found = check_structure(block, self.info, n_layers) or check_content(block)
+            group = self._groups.get(ref.group_id)
+            kind = group.kind if group is not None else GroupKind.FULL_ATTENTION
+            found = check_structure(block, self.info, n_layers, kind)
+            if not found and tier_state_at(hit, ref.group_id, ref.index) is not None:
+                found = check_partial_zero(block)  # before "zeros" claims a half-copied block
+            found = found or check_content(block)
             if not found:
                 record = sample.records.get(ref)
                 found = check_fingerprint(block, record.kv_digest if record else None)
@@ -214,6 +255,10 @@ class Verifier:
             return
         self._compare(hit, passed, verdict)
 
+    def _null(self, ref: BlockRef) -> bool:
+        group = self._groups.get(ref.group_id)
+        return group is not None and ref.block_id in group.null_block_ids
+
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the
         sidecar's epoch moved, or the engine's generation stamp did."""
@@ -229,8 +274,7 @@ class Verifier:
         if not self.budget.take(cost):
             _drop(verdict, DropReason.BUDGET, len(blocks))
             return
-        reference = self._call("recompute", self.adapter.recompute, verdict, hit,
-                               [b.ref for b in blocks], len(blocks))
+        reference = self._recompute(hit, [b.ref for b in blocks], verdict, len(blocks))
         if reference is None:
             return
         by_ref = {r.ref: r for r in reference}
@@ -238,11 +282,19 @@ class Verifier:
             verdict.adapter_errors.append(("recompute", "unexpected_block"))
         kind = self.reference_kind
         cal = self.calibration
+        failed: list[tuple[BlockKV, float]] = []
         for block in blocks:
             ref_kv = by_ref.get(block.ref)
             if ref_kv is None:
                 verdict.adapter_errors.append(("recompute", "missing_block"))
                 _drop(verdict, DropReason.ADAPTER_ERROR)
+                continue
+            if block.key.shape != ref_kv.key.shape or block.value.shape != ref_kv.value.shape:
+                verdict.verified.append(block.ref)  # a layout the reference does not have
+                verdict.findings.append(Finding(
+                    AnomalyKind.STRUCTURE, block.ref.group_id, block.ref.index,
+                    f"shape {tuple(block.key.shape)}/{tuple(block.value.shape)} != the "
+                    f"recompute's {tuple(ref_kv.key.shape)}/{tuple(ref_kv.value.shape)}"))
                 continue
             err = block_error(block, ref_kv)
             if not math.isfinite(err):  # NaN (a non-finite reference) compares as far out
@@ -255,11 +307,49 @@ class Verifier:
             passed = err <= tol
             cal.observe(kind, err, passed)
             if not passed:
-                verdict.kv[block.ref] = (block, ref_kv)
-                verdict.findings.append(Finding(
-                    AnomalyKind.RECOMPUTE_MISMATCH, block.ref.group_id, block.ref.index,
-                    f"normalized error {err:.3g} > tolerance {tol:.3g} "
-                    f"({self.info.dtype}, {kind} reference)", err))
+                verdict.kv[block.ref] = (block, ref_kv)  # for the evidence record
+                failed.append((block, err))
+        if failed:
+            self._explain(hit, failed, by_ref, verdict)
+
+    def _explain(self, hit: Hit, failed: list[tuple[BlockKV, float]],
+                 references: dict[BlockRef, BlockKV], verdict: Verdict) -> None:
+        """Name each failed block's fault family (:func:`sidecar.checks.hybrid.explain`);
+        the neighbour recomputes it may need take a recompute slot like any other."""
+        tol, kind = self.tolerance, self.reference_kind
+        dtype = self.info.dtype
+
+        def recompute(refs: Sequence[BlockRef]) -> Sequence[BlockKV] | None:
+            return self._recompute(hit, refs, verdict, 0)
+
+        verdict.findings.extend(explain(
+            failed, self._groups,
+            lambda r: tier_state_at(hit, r.group_id, r.index) is not None, references,
+            recompute, len(hit.tokens) // self.info.block_size, tol,
+            lambda err: f"normalized error {err:.3g} > tolerance {tol:.3g} "
+                        f"({dtype}, {kind} reference)"))
+
+    def _recompute(self, hit: Hit, refs: Sequence[BlockRef], verdict: Verdict,
+                   at_stake: int) -> list[BlockKV] | None:
+        """``adapter.recompute`` under a recompute slot, held until the call really ends
+        (an abandoned, timed-out call keeps it); no slot: dropped for admission."""
+        slot = self.recomputes.enter()
+        if slot is None:
+            _drop(verdict, DropReason.ADMISSION, at_stake)
+            return None
+        ran = threading.Event()
+
+        def run(h: Hit, r: Sequence[BlockRef]) -> Sequence[BlockKV]:
+            ran.set()
+            try:
+                return self.adapter.recompute(h, r)
+            finally:
+                slot.release()
+        try:
+            return self._call("recompute", run, verdict, hit, refs, at_stake)
+        finally:
+            if not ran.is_set():  # refused before it started: nothing holds the slot
+                slot.release()
 
     def _call(self, op: str, fn: Callable[[Hit, Sequence[BlockRef]], Sequence[BlockKV]],
               verdict: Verdict, hit: Hit, refs: Sequence[BlockRef],

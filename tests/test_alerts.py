@@ -124,6 +124,8 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVCacheRecomputeErrorDrift": WARNING,
         "KVCacheHitCounterMismatch": WARNING,
         "KVSidecarScrubOverdue": WARNING,  # the background scrub (sidecar/scrub.py)
+        "KVCacheRecoveryFailures": WARNING,
+        "KVCacheRecoveryLatencyHigh": WARNING,
     }
 
 
@@ -146,6 +148,8 @@ def test_thresholds_come_from_signals() -> None:
     for name in ("KVCacheAnomalyLocalised", "KVCacheAnomalyFleetWide"):
         assert f"replicas >= {t.fleet_min_replicas:g}" in expr[name], name
     assert f"> {t.recompute_error_drift:g}" in expr["KVCacheRecomputeErrorDrift"]
+    assert f"> {t.recovery_failure_ratio:g}" in expr["KVCacheRecoveryFailures"]
+    assert f"> {t.recovery_p99_seconds:g}" in expr["KVCacheRecoveryLatencyHigh"]
 
 
 def test_rules_name_only_known_signals() -> None:

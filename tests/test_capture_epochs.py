@@ -66,6 +66,38 @@ class ServedThenRepaired(Fault):
             engine.pool.value[:, b] = value
 
 
+class ChurnWatch:
+    """Sits between the engine and its sink and counts the blocks the engine frees, so a
+    test's "slow" read can wait for the pool to really turn over under it (rather than
+    trusting a sleep to be long enough on a loaded 2-core machine)."""
+
+    def __init__(self, sink: object) -> None:
+        self._sink = sink
+        self._cond = threading.Condition()
+        self.freed = 0
+        self.done = False
+
+    def __getattr__(self, name: str) -> object:  # every other hook and attribute
+        return getattr(self._sink, name)
+
+    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
+        self._sink.on_free(group_id, block_ids)  # type: ignore[attr-defined]
+        with self._cond:
+            self.freed += len(block_ids)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self.done = True
+            self._cond.notify_all()
+
+    def wait_turnover(self, blocks: int, timeout_s: float = 5.0) -> None:
+        """Until ``blocks`` more blocks were freed, the engine finished, or the timeout."""
+        with self._cond:
+            target = self.freed + blocks
+            self._cond.wait_for(lambda: self.freed >= target or self.done, timeout_s)
+
+
 class SlowReads(ReferenceAdapter):
     """The verifier's later read arrives late (a busy sidecar): the cache has moved on."""
 
@@ -77,6 +109,8 @@ class SlowReads(ReferenceAdapter):
         # Blind runs: the late read lands after the racing write was repaired (waiting for
         # it, rather than trusting a sleep to be long enough on a loaded 2-core machine).
         self.after_repair = after_repair
+        self.watch: ChurnWatch | None = None  # slow reads also wait for a pool turnover
+        self.turnover = 0
         self.stamps = stamps
         self.slow_every = slow_every  # 1 in this many reads is slow
         self.reads = 0
@@ -87,6 +121,8 @@ class SlowReads(ReferenceAdapter):
         self.reads += 1
         if self.reads % self.slow_every == 0:
             time.sleep(self.delay_s)
+            if self.watch is not None and self.turnover:
+                self.watch.wait_turnover(self.turnover)
         if self.after_repair is not None:
             deadline = time.monotonic() + 30.0
             wanted = {r.block_id for r in refs}
@@ -121,12 +157,17 @@ class StampStripper:
     def on_request_done(self, latency_seconds: float) -> None:
         self.monitor.on_request_done(latency_seconds)
         time.sleep(self.pace_s)
+        # ... and lets the verifier keep up: at most a few samples wait in its queue (the
+        # one being read may still be slow, with the pool churning under it).
+        deadline = time.monotonic() + 5.0
+        while self.monitor.dispatcher.queued > 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True,
          requests: int = 60, num_blocks: int = 256, blocks_per_sample: int = 2,
          workload: WorkloadConfig | None = None, slow_every: int = 1,
-         pace_s: float = 0.0) -> Monitor:
+         pace_s: float = 0.0, turnover: int = 0) -> Monitor:
     engine = ReferenceEngine(EngineConfig(num_blocks=num_blocks, kv_digest=True))
     if fault is not None:
         engine.fault = fault
@@ -140,11 +181,15 @@ def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True
                                          blocks_per_sample=blocks_per_sample,
                                          allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
-    engine.sink = mon if stamps else StampStripper(mon, pace_s)
+    watch = ChurnWatch(mon if stamps else StampStripper(mon, pace_s))
+    if turnover:
+        adapter.watch, adapter.turnover = watch, turnover
+    engine.sink = watch
     mon.start()
     drive(engine, ChatWorkload(workload or WorkloadConfig(conversations=12, max_turns=5,
                                                           seed=3)),
           max_requests=requests)
+    watch.finish()
     assert mon.drain(timeout_s=300)
     mon.stop()
     return mon
@@ -174,7 +219,7 @@ def test_a_block_stored_again_after_serving_is_dropped_as_reused_not_flagged() -
     """Small pool, slow reads: blocks are evicted and re-stored before the verifier reads
     them. The capture is still judged (what was served); the stale read is dropped with its
     own reason, never compared."""
-    mon = _run(None, capture=True, delay_s=0.02, num_blocks=40, requests=80)
+    mon = _run(None, capture=True, delay_s=0.02, num_blocks=40, requests=80, turnover=40)
     assert _anomalies(mon) == {}
     value = mon.metrics.value
     assert value(S.SAMPLES_DROPPED.name, reason=DropReason.REUSED_AFTER_SERVING.value) > 0
@@ -187,11 +232,11 @@ def test_clean_engine_without_stamps_under_eviction_pressure_gives_no_false_alar
     (1 in 4 waits 40 ms) and a pool small enough that blocks are reused under it: the
     sidecar's epochs drop the reused reads. >= 2,000 verified blocks, zero anomalies."""
     mon = _run(None, capture=False, delay_s=0.04, stamps=False, num_blocks=40,
-               requests=900, blocks_per_sample=16, slow_every=4, pace_s=0.004,
+               requests=900, blocks_per_sample=16, slow_every=4, pace_s=0.004, turnover=6,
                workload=WorkloadConfig(conversations=180, max_turns=6, seed=5))
     verified = mon.metrics.value_sum(S.VERIFIED.name)
     dropped = mon.metrics.value(S.SAMPLES_DROPPED.name,
                                 reason=DropReason.EVICTED_BEFORE_READ.value)
     assert _anomalies(mon) == {}
-    assert verified >= 2000, verified
+    assert verified >= 2000, (verified, dropped)
     assert dropped > 0, "the pool must actually be reused under the verifier"

@@ -95,7 +95,8 @@ def test_sections_cover_the_issue() -> None:
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Is the cache serving the right KV?", "Anomalies", "Verification coverage",
                     "Allocator health", "Latency", "Fleet",
-                    "Scrub and actions"]  # the scrub's row (sidecar/scrub.py, actions.py)
+                    "Scrub and actions",  # the scrub's row (sidecar/scrub.py, actions.py)
+                    "Hybrid caches"]
     text = "\n".join(_exprs(d))
     for sig in (S.ANOMALIES, S.VERIFIED, S.SAMPLES_DROPPED, S.LAST_VERIFICATION,
                 S.ALLOCATION_FAILURES, S.ALLOCATIONS, S.FRAGMENTATION_RATIO, S.USAGE_RATIO,
@@ -106,6 +107,13 @@ def test_sections_cover_the_issue() -> None:
         assert f"histogram_quantile({q}, sum by (le) (rate({S.REQUEST_LATENCY.name}_bucket"\
             in text
     assert re.search(r"topk\(\d+, .*" + S.ANOMALIES.name, text)
+
+
+def test_hybrid_row_shows_per_group_and_recovery_signals() -> None:
+    text = "\n".join(_exprs(_dashboard()))
+    for sig in S.HYBRID_SIGNALS:
+        assert sig.name in text, f"no panel shows {sig.name}"
+    assert "sum by (group_kind, kind)" in text and "sum by (group, outcome)" in text
 
 
 def test_every_panel_has_a_unit_a_datasource_and_a_place_on_the_grid() -> None:

@@ -31,7 +31,7 @@ from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.metrics import fragmentation_ratio
 from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import Hit, Lookup, SequenceId, StoredBlock
+from sidecar.protocol import CacheGroup, Hit, Lookup, SequenceId, StoredBlock
 from sidecar.sampling import (
     AdaptiveSampler,
     BoundaryBiasedSampler,
@@ -138,8 +138,9 @@ class _Deferred:
         self.decision = self.policy.should_sample(hit)
         return False
 
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[Any]:
-        return list(self.policy.choose(hit, block_size, max_blocks))
+    def choose(self, hit: Hit, block_size: int, max_blocks: int,
+               groups: Sequence[CacheGroup] = ()) -> list[Any]:
+        return list(self.policy.choose(hit, block_size, max_blocks, groups))
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         self.policy.feedback(hit, anomalous)
