@@ -76,6 +76,7 @@ class ChurnWatch:
         self._cond = threading.Condition()
         self.freed = 0
         self.done = False
+        self.waiting = False  # a slow read waits for the engine to churn the pool
 
     def __getattr__(self, name: str) -> object:  # every other hook and attribute
         return getattr(self._sink, name)
@@ -95,7 +96,9 @@ class ChurnWatch:
         """Until ``blocks`` more blocks were freed, the engine finished, or the timeout."""
         with self._cond:
             target = self.freed + blocks
+            self.waiting = True
             self._cond.wait_for(lambda: self.freed >= target or self.done, timeout_s)
+            self.waiting = False
 
 
 class SlowReads(ReferenceAdapter):
@@ -141,6 +144,7 @@ class StampStripper:
     def __init__(self, monitor: Monitor, pace_s: float = 0.0) -> None:
         self.monitor = monitor
         self.pace_s = pace_s  # the engine waits this long per request (the verifier keeps up)
+        self.watch: ChurnWatch | None = None
 
     def on_lookup(self, lookup: Lookup) -> None:
         hit = lookup.hit
@@ -157,10 +161,11 @@ class StampStripper:
     def on_request_done(self, latency_seconds: float) -> None:
         self.monitor.on_request_done(latency_seconds)
         time.sleep(self.pace_s)
-        # ... and lets the verifier keep up: at most a few samples wait in its queue (the
-        # one being read may still be slow, with the pool churning under it).
+        # ... and lets the verifier keep up: at most a few samples wait in its queue, unless
+        # the one being read waits for the pool to churn under it.
         deadline = time.monotonic() + 5.0
-        while self.monitor.dispatcher.queued > 2 and time.monotonic() < deadline:
+        while (self.monitor.dispatcher.queued > 2 and time.monotonic() < deadline
+               and not (self.watch is not None and self.watch.waiting)):
             time.sleep(0.001)
 
 
@@ -181,7 +186,10 @@ def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True
                                          blocks_per_sample=blocks_per_sample,
                                          allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
-    watch = ChurnWatch(mon if stamps else StampStripper(mon, pace_s))
+    inner = mon if stamps else StampStripper(mon, pace_s)
+    watch = ChurnWatch(inner)
+    if isinstance(inner, StampStripper):
+        inner.watch = watch
     if turnover:
         adapter.watch, adapter.turnover = watch, turnover
     engine.sink = watch
