@@ -45,13 +45,15 @@ for line in sys.stdin:
                            for side in ("cached", "recomputed") for part in ("key", "value")}
                 rec = log.add({"kind": "kill-test", "run": run, "i": i,
                                "pad": "x" * (i % 700)}, tensors)
-                print(rec["seq"], run, i, flush=True)
+                # One write per line: with PYTHONUNBUFFERED a print is several writes,
+                # and a kill between them leaves half a line for the next one to join.
+                os.write(1, f"{rec['seq']} {run} {i}\\n".encode())
                 i += 1
         finally:
             os._exit(0)
-    print("pid", pid, flush=True)
+    os.write(1, f"pid {pid}\\n".encode())
     os.waitpid(pid, 0)
-    print("done", flush=True)
+    os.write(1, b"done\\n")
 """
 
 
@@ -89,6 +91,8 @@ def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
                 for line in iter(parent.stdout.readline, "done\n"):
                     if not line:
                         raise RuntimeError("the evidence writer's parent died")
+                    if line.endswith("done\n"):  # a line the kill cut short: not an ack
+                        break
                     acks.append(line)
                 for ack in acks:
                     seq, r, i = (int(x) for x in ack.split())
