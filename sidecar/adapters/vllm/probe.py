@@ -203,13 +203,20 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def _reference_order(self, req_id: str, seen: _Seen | None, prompt: list[int],
                          blocks: dict[int, list[int]], wanted: list[int]) -> CaptureOrder:
         salt = seen.salt if seen else None
+        order = CaptureOrder(req_id, "reference", salt, prompt, 0, len(prompt), blocks, [])
+        self._name_reference_blocks(order, wanted)
+        return order
+
+    def _name_reference_blocks(self, order: CaptureOrder, wanted: list[int]) -> None:
         # Null blocks (a sliding group's out-of-window ones, a recurrent group's states before
         # the last boundary) hold nothing to compare with: not read.
-        refs = [(g, i, ids[i]) for g, ids in blocks.items() for i in wanted
-                if i < len(ids) and not (self._hybrid and ids[i] == 0)]
-        return CaptureOrder(req_id, "reference", salt, prompt, 0, len(prompt), blocks, refs)
+        order.refs = [(g, i, ids[i]) for g, ids in order.blocks.items() for i in wanted
+                      if i < len(ids) and not (self._hybrid and ids[i] == 0)]
 
     def _advance_pending_refs(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
+        """A chunked reference prefill: its block tables grow with each chunk (a hybrid's
+        recurrent group gets its boundary block only with the chunk that ends there), so
+        the blocks to read are named once the wanted blocks are computed."""
         if not self._pending_refs:
             return
         cached = so.scheduled_cached_reqs
@@ -218,8 +225,16 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             if pending is None:
                 continue
             order, need = pending
+            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if new_ids is not None:
+                replace = req_id in cached.resumed_req_ids
+                for g, ids in enumerate(new_ids):
+                    order.blocks[g] = list(ids) if replace else \
+                        order.blocks.get(g, []) + list(ids)
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             if done >= need:
+                wanted = parse_reference_salt(order.salt) or []
+                self._name_reference_blocks(order, wanted)
                 meta.captures.append(order)
                 del self._pending_refs[req_id]
 
