@@ -27,9 +27,7 @@ from sidecar.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
-    CacheGroup,
     EngineInfo,
-    GroupKind,
     Hit,
     Lookup,
 )

@@ -80,7 +80,8 @@ def groups_from_config(cfg: Mapping[str, Any]) -> tuple[CacheGroup, ...]:
     window = cfg.get("sliding_window")
     return tuple(
         CacheGroup(gid, kind, tuple(i for i, k in enumerate(kinds) if k is kind),
-                   sliding_window=int(window) if kind is GroupKind.SLIDING_WINDOW else None,
+                   sliding_window=int(window) if kind is GroupKind.SLIDING_WINDOW and window
+                   else None,
                    name=_GROUP_NAMES[kind], null_block_ids=NULL_BLOCKS)
         for gid, kind in enumerate(order))
 

@@ -20,6 +20,7 @@ The HF reference loads the very same directory vLLM serves from.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from sidecar.adapters.vllm.tiny import VOCAB_SIZE, _write_tokenizer
 
@@ -63,14 +64,18 @@ def write_tiny_lfm2(path: str | Path, seed: int = 0, num_layers: int = 4,
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     layer_types = ["conv" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    # Fields vLLM's LFM2 reads that transformers' Lfm2Config keeps as extra attributes
+    # (block_ff_dim is folded into intermediate_size).
+    vllm_fields: dict[str, Any] = {"conv_dim": hidden_size, "conv_dim_out": hidden_size,
+                                   "block_dim": hidden_size, "block_ff_dim": 2 * hidden_size}
     config = Lfm2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
         layer_types=layer_types, conv_L_cache=LFM2_CONV_L_CACHE, conv_bias=False,
-        conv_dim=hidden_size, conv_dim_out=hidden_size, block_dim=hidden_size,
-        block_ff_dim=2 * hidden_size, block_auto_adjust_ff_dim=False, norm_eps=1e-5,
+        block_auto_adjust_ff_dim=False, norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        **vllm_fields,
     )
     torch.manual_seed(seed)
     Lfm2ForCausalLM(config).float().save_pretrained(out, safe_serialization=True)
