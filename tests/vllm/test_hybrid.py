@@ -191,6 +191,19 @@ def test_out_of_window_null_blocks_are_neither_read_nor_flagged(run: dict[str, A
                    kind=AnomalyKind.RECOMPUTE_MISMATCH.value) == 0
 
 
+def test_event_audit_verifies_the_hashes_of_every_group(run: dict[str, Any]) -> None:
+    """vLLM's KV events for a hybrid: the narrow group stores only its last blocks, with
+    tokens from the prompt's start; every published hash of both groups is recomputed
+    (the engine reference's salted stores are unverifiable there, never mismatches)."""
+    eng: Engine = run["engine"]
+    s = eng.sidecar.auditor.summary()
+    assert s["decode_errors"] == s["hash_mismatches"] == s["unknown_removals"] == 0
+    assert s["batches_lost"] == s["duplicate_stores"] == 0
+    m = eng.sidecar.metrics
+    for g in eng.sidecar.info.groups:
+        assert m.value(S.KV_EVENT_HASHES_VERIFIED.name, group=str(g.group_id)) > 0, g.label
+
+
 # Worker-side corruption of one group's layers only (LLM.collective_rpc).
 def _copy_layers(worker: Any, layers: list[int], src: int, dst: int) -> int:
     for i in layers:
