@@ -210,8 +210,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def _name_reference_blocks(self, order: CaptureOrder, wanted: list[int]) -> None:
         # Null blocks (a sliding group's out-of-window ones, a recurrent group's states before
         # the last boundary) hold nothing to compare with: not read.
+        null = {g.group_id: g.null_block_ids for g in self._groups} if self._hybrid else {}
         order.refs = [(g, i, ids[i]) for g, ids in order.blocks.items() for i in wanted
-                      if i < len(ids) and not (self._hybrid and ids[i] == 0)]
+                      if i < len(ids) and ids[i] not in null.get(g, ())]
 
     def _advance_pending_refs(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
         """A chunked reference prefill: its block tables grow with each chunk (a hybrid's
