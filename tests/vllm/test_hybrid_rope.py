@@ -47,7 +47,8 @@ def test_lfm2_keys_from_vllm_cpus_rotary_op_are_flagged_and_only_they(
         flagged = {f.group_id for f in verdict.findings
                    if f.kind is AnomalyKind.RECOMPUTE_MISMATCH}
         assert flagged == {full_gid}
-        assert min(e for g, e in verdict.errors if g == full_gid) > 1.0
+        tol = eng.sidecar.monitor.verifier.tolerance
+        assert min(e for g, e in verdict.errors if g == full_gid) > 100 * tol
         # Upstream of the rotary embedding, vLLM and HF agree exactly.
         n = sample.hit.hit_tokens // BLOCK
         state = next(r for r in sample.refs if r.group_id == state_gid)
@@ -59,7 +60,7 @@ def test_lfm2_keys_from_vllm_cpus_rotary_op_are_flagged_and_only_they(
         cached = sample.captured[full]
         assert normalized_error(cached.value[0], hf_full.value[0]) < 1e-5  # V: exact
         k_err = normalized_error(cached.key[0], hf_full.key[0])
-        assert k_err > 1.0  # K (after rope): wrong
+        assert k_err > 100 * tol  # K (after rope): wrong
         MEASUREMENTS["lfm2 float32 CPU rotary op: key error vs HF (V exact)"] = f"{k_err:.3g}"
     finally:
         stop_engine(eng)
