@@ -252,3 +252,40 @@ def test_corruption_in_one_group_is_caught_with_that_group_named(run: dict[str, 
         assert err > eng.sidecar.monitor.verifier.tolerance
     MEASUREMENTS[f"{run['model']} {eng.dtype} stale {narrow.label} block (error)"] = \
         f"{err:.3g}"
+
+
+def _zero_layers(worker: Any, layers: list[int], block_id: int) -> int:
+    for i in layers:
+        worker.model_runner.kv_caches[i][block_id].zero_()
+    return len(layers)
+
+
+def test_corruption_in_the_full_group_only_leaves_the_other_group_clean(
+        run: dict[str, Any]) -> None:
+    """The other way round: the full-attention group's last block zeroed (its layers only)
+    is flagged in that group; the same hit's sliding / recurrent group stays clean."""
+    eng: Engine = run["engine"]
+    wl: Workload = run["workload"]
+    narrow = next(g for g in eng.sidecar.info.groups if g.kind is not GroupKind.FULL_ATTENTION)
+    full = next(g for g in eng.sidecar.info.groups if g.kind is GroupKind.FULL_ATTENTION)
+    prefix = wl.prefixes[1]  # the other test corrupted prefix 0's narrow group
+    last = len(prefix) // BLOCK - 1
+    victim = int(_hit_for(run["hits"], prefix).hit.blocks[full.group_id][last])
+    assert eng.llm.collective_rpc(_zero_layers, args=(list(full.layers), victim)) \
+        == [len(full.layers)]
+    generate(eng.llm, [prefix + wl.tokens(9)])
+    assert eng.sidecar.wait_for_samples(1)
+    (sample,) = eng.sidecar.take_pending()
+    verdict = eng.sidecar.monitor.verify_sample(sample)
+    assert {(f.kind, f.group_id, f.block_index) for f in verdict.findings
+            if f.group_id == full.group_id} == {(AnomalyKind.ZEROS, full.group_id, last)}
+    if narrow.kind is GroupKind.SLIDING_WINDOW:
+        assert _findings([verdict], narrow.group_id) == []
+        assert any(r.group_id == narrow.group_id for r in verdict.verified)
+    else:  # the core's pre-per-group layout check aside (see the module docstring)
+        assert {f.kind for f in _findings([verdict], narrow.group_id)} <= {AnomalyKind.STRUCTURE}
+        states = _state_verdicts(eng, sample)
+        assert states and all(err <= eng.sidecar.monitor.verifier.tolerance and not content
+                              for _, err, content in states)
+    assert eng.sidecar.metrics.value(S.ANOMALIES.name, group=full.label,
+                                     kind=AnomalyKind.ZEROS.value) == 1
