@@ -85,8 +85,9 @@ class HFReference:
             raise AdapterError(f"hit has {len(hit.tokens)} tokens, {n} needed")
         state_layers = sorted({i for r in refs for i in self._group_layers(r, recurrent=True)})
         conv_inputs: dict[int, torch.Tensor] = {}
-        handles = self._record_conv_inputs(state_layers, conv_inputs)
+        handles: list[Any] = []
         try:
+            self._record_conv_inputs(state_layers, conv_inputs, handles)
             with torch.inference_mode():
                 kwargs = {}
                 if self._sliding:
@@ -119,12 +120,11 @@ class HFReference:
         group = self.info.group(ref.group_id)
         return group.layers if (group.kind is GroupKind.RECURRENT_STATE) == recurrent else ()
 
-    def _record_conv_inputs(self, layers: Sequence[int],
-                            out: dict[int, torch.Tensor]) -> list[Any]:
-        """Forward hooks (returned, to remove) that keep each listed layer's conv input
-        ``B * x`` (batch, dim, seq) in ``out`` during the next forward (LFM2's ``in_proj``
-        gives ``B, C, x``)."""
-        handles: list[Any] = []
+    def _record_conv_inputs(self, layers: Sequence[int], out: dict[int, torch.Tensor],
+                            handles: list[Any]) -> None:
+        """Forward hooks (appended to ``handles``, for the caller to remove) that keep each
+        listed layer's conv input ``B * x`` (batch, dim, seq) in ``out`` during the next
+        forward (LFM2's ``in_proj`` gives ``B, C, x``)."""
         blocks = self.model.model.layers if layers else []
         for i in layers:
             conv = getattr(blocks[i], "conv", None)
@@ -135,7 +135,6 @@ class HFReference:
                 b, _c, x = output.transpose(-1, -2).chunk(3, dim=-2)
                 out[i] = b * x
             handles.append(conv.in_proj.register_forward_hook(keep))
-        return handles
 
 
 Submit = Callable[[list[int], str], None]
