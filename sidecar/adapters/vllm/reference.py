@@ -24,14 +24,14 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import reference_salt
 from sidecar.extras import require
-from sidecar.protocol import AdapterError, BlockKV, BlockRef, EngineInfo, Hit
+from sidecar.protocol import AdapterError, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,21 @@ def _prefix_len(refs: Sequence[BlockRef], block_size: int) -> int:
 
 
 class HFReference:
-    """Prefill with transformers on the checkpoint vLLM serves (see the module docstring)."""
+    """Prefill with transformers on the checkpoint vLLM serves (see the module docstring).
+
+    Hybrid models, group by group (:class:`sidecar.protocol.CacheGroup`):
+
+    * attention groups (full and sliding window): K/V of the block's positions from the
+      prefill's cache. transformers keeps only the last window of a sliding layer when its
+      cache is built from the config, so the prefill runs on a plain ``DynamicCache`` that
+      keeps every position (a position's K/V does not depend on how long it is kept; the
+      attention mask still follows the model's window);
+    * recurrent-state groups (LFM2's short convolution): the conv state at the block's
+      boundary, i.e. the convolution's inputs ``B * x`` at the last ``conv_L_cache - 1``
+      positions before it, taken from the layer's input projection during the same prefill
+      (causal, so one prefill gives the state at every boundary), as ``(layers, dim,
+      state_len)`` with an empty ``value``, as :mod:`.state_layout` reads vLLM's.
+    """
 
     name = "hf"
     kind = "independent"
@@ -60,23 +74,67 @@ class HFReference:
         self.info = info
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, info.dtype)).eval()
+        cfg = self.model.config
+        self._state_len = int(getattr(cfg, "conv_L_cache", 0) or 0) - 1
+        self._sliding = any(g.kind is GroupKind.SLIDING_WINDOW for g in info.groups)
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         bs = self.info.block_size
         n = _prefix_len(refs, bs)
         if len(hit.tokens) < n:
             raise AdapterError(f"hit has {len(hit.tokens)} tokens, {n} needed")
-        with torch.inference_mode():
-            out = self.model(torch.tensor([list(hit.tokens[:n])]), use_cache=True)
+        state_layers = sorted({i for r in refs for i in self._group_layers(r, recurrent=True)})
+        conv_inputs: dict[int, torch.Tensor] = {}
+        handles: list[Any] = []
+        try:
+            self._record_conv_inputs(state_layers, conv_inputs, handles)
+            with torch.inference_mode():
+                kwargs = {}
+                if self._sliding:
+                    from transformers import DynamicCache
+                    kwargs["past_key_values"] = DynamicCache()  # keeps every position
+                out = self.model(torch.tensor([list(hit.tokens[:n])]), use_cache=True,
+                                 **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
         cache = out.past_key_values
         result = []
         for ref in refs:
-            layers = self.info.group(ref.group_id).layers
+            group = self.info.group(ref.group_id)
             lo, hi = ref.token_range(bs)
-            k = torch.stack([cache.layers[i].keys[0, :, lo:hi] for i in layers])
-            v = torch.stack([cache.layers[i].values[0, :, lo:hi] for i in layers])
+            if group.kind is GroupKind.RECURRENT_STATE:
+                if self._state_len <= 0 or hi < self._state_len:
+                    raise AdapterError(f"no conv state to compare for block {ref.index} of "
+                                       f"group {group.label}")
+                k = torch.stack([conv_inputs[i][0, :, hi - self._state_len:hi]
+                                 for i in group.layers])
+                result.append(BlockKV(ref, k.contiguous(), torch.empty(0, dtype=k.dtype)))
+                continue
+            k = torch.stack([cache.layers[i].keys[0, :, lo:hi] for i in group.layers])
+            v = torch.stack([cache.layers[i].values[0, :, lo:hi] for i in group.layers])
             result.append(BlockKV(ref, k.contiguous(), v.contiguous()))
         return result
+
+    def _group_layers(self, ref: BlockRef, recurrent: bool) -> tuple[int, ...]:
+        group = self.info.group(ref.group_id)
+        return group.layers if (group.kind is GroupKind.RECURRENT_STATE) == recurrent else ()
+
+    def _record_conv_inputs(self, layers: Sequence[int], out: dict[int, torch.Tensor],
+                            handles: list[Any]) -> None:
+        """Forward hooks (appended to ``handles``, for the caller to remove) that keep each
+        listed layer's conv input ``B * x`` (batch, dim, seq) in ``out`` during the next
+        forward (LFM2's ``in_proj`` gives ``B, C, x``)."""
+        blocks = self.model.model.layers if layers else []
+        for i in layers:
+            conv = getattr(blocks[i], "conv", None)
+            if conv is None or not hasattr(conv, "in_proj"):
+                raise AdapterError(f"layer {i} has no short convolution to take a state from")
+
+            def keep(_mod: Any, _inp: Any, output: torch.Tensor, i: int = i) -> None:
+                b, _c, x = output.transpose(-1, -2).chunk(3, dim=-2)
+                out[i] = b * x
+            handles.append(conv.in_proj.register_forward_hook(keep))
 
 
 Submit = Callable[[list[int], str], None]

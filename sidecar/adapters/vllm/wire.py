@@ -12,7 +12,8 @@ protocol's version) and ``kind``:
 * ``capture``: one sampled hit (``role="hit"``, also counted as a lookup) or one engine-side
   reference recompute (``role="reference"``, tagged with the cache salt the sidecar chose):
   prompt tokens, hit length, block ids per group, and the K/V of the chosen blocks, as raw
-  bytes.
+  bytes. A recurrent-state group's block carries its state in K and an empty V, so V may
+  name its own shape (an 8th element; absent = K's shape).
 
 Every message also carries ``src`` (which pipe sent it) and ``dropped`` (how many messages
 that pipe has dropped so far), so the sidecar can count what was lost on the way.
@@ -90,6 +91,8 @@ def tensor_from(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     if len(data) != expected:
         raise WireError(f"{len(data)} bytes for shape {list(shape)} of {dtype} "
                         f"(needs {expected})")
+    if expected == 0:  # frombuffer refuses an empty buffer
+        return torch.empty(tuple(shape), dtype=dt)
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(tuple(shape))
 
 
@@ -153,8 +156,15 @@ def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequenc
                 tokens=[int(t) for t in tokens], query_tokens=int(query_tokens),
                 hit_tokens=int(hit_tokens),
                 blocks={int(g): [int(b) for b in ids] for g, ids in blocks.items()},
-                kv=[[g, i, b, str(k.dtype).removeprefix("torch."), list(k.shape),
-                     tensor_bytes(k), tensor_bytes(v)] for g, i, b, k, v in kv])
+                kv=[_kv_entry(g, i, b, k, v) for g, i, b, k, v in kv])
+
+
+def _kv_entry(g: int, i: int, b: int, k: torch.Tensor, v: torch.Tensor) -> list[Any]:
+    entry = [g, i, b, str(k.dtype).removeprefix("torch."), list(k.shape), tensor_bytes(k),
+             tensor_bytes(v)]
+    if tuple(v.shape) != tuple(k.shape):  # a state block: V has a shape of its own
+        entry.append(list(v.shape))
+    return entry
 
 
 def decode_capture(msg: dict[str, Any]) -> Capture:
@@ -175,10 +185,12 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
         raise WireError("kv is not a list of blocks")
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for entry in kv_raw:
-        if not isinstance(entry, list) or len(entry) != 7:
-            raise WireError("kv entry is not [group, index, block, dtype, shape, K, V]")
-        g, i, _b, dtype, shape, kb, vb = entry
+        if not isinstance(entry, list) or len(entry) not in (7, 8):
+            raise WireError("kv entry is not [group, index, block, dtype, shape, K, V"
+                            "(, V shape)]")
+        g, i, _b, dtype, shape, kb, vb = entry[:7]
+        v_shape = entry[7] if len(entry) == 8 else shape
         kv[(_int(g, "group", 0, 1023), _int(i, "block index"))] = (
-            tensor_from(kb, dtype, shape), tensor_from(vb, dtype, shape))
+            tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
                    _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv)
