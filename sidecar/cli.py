@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
+    d.add_argument("--model", default="reference", choices=("reference", "hybrid", "recurrent"),
+                   help="reference: tiny Llama (one full-attention group); hybrid: Gemma2 "
+                        "sliding window + full; recurrent: LFM2 conv state + full "
+                        "(default: reference)")
     tolerance.add_arguments(d)
 
     sub.add_parser("faults", help="list the injectable faults",
@@ -150,11 +154,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.fault not in FAULTS:
         raise UsageError(f"unknown fault {args.fault!r}; known faults: {', '.join(FAULTS)} "
                          "(see `kv-sidecar faults`)")
+    from sidecar.demo import fault_applies
+    if not fault_applies(args.fault, args.model):
+        raise UsageError(f"fault {args.fault!r} does not apply to --model {args.model} "
+                         "(it needs cache groups that model does not have)")
     opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
                        otel=args.otel, progress=not args.quiet,
-                       sidecar=tolerance.config_fields(args))
+                       sidecar=tolerance.config_fields(args), model=args.model)
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

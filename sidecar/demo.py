@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
-from sidecar.engines.reference.model import ModelConfig
+from sidecar.adapters.reference import make_adapter
+from sidecar.engines.reference.engine import EngineConfig, Result
+from sidecar.engines.reference.hybrid_engine import build_engine
+from sidecar.engines.reference.hybrid_model import model_config
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.health import monitor_health
 from sidecar.monitor import Monitor, SidecarConfig
@@ -38,6 +39,7 @@ class DemoOptions:
     num_blocks: int = 256
     # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
     sidecar: dict[str, Any] = field(default_factory=dict)
+    model: str = "reference"  # reference | hybrid | recurrent (hybrid_model.py)
 
 
 class Progress:
@@ -66,12 +68,26 @@ class Progress:
         print(line, end=end, file=sys.stderr, flush=True)
 
 
-def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
-    """The reference engine with the sidecar attached (also used by tests and the bench)."""
-    engine = ReferenceEngine(EngineConfig(
-        model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
-        fault=opts.fault, fault_seed=opts.seed, kv_digest=True))
-    monitor = Monitor(ReferenceAdapter(engine),
+GROUP_KINDS = {"reference": frozenset({"full_attention"}),
+               "hybrid": frozenset({"full_attention", "sliding_window"}),
+               "recurrent": frozenset({"full_attention", "recurrent_state"})}
+
+
+def fault_applies(fault: str, model: str) -> bool:
+    """Whether ``fault`` can act on ``model`` (hybrid faults need their cache groups)."""
+    from sidecar.engines.reference.faults import FAULTS
+    return fault in FAULTS and model in GROUP_KINDS \
+        and FAULTS[fault].applies_to(GROUP_KINDS[model])
+
+
+def build(opts: DemoOptions) -> tuple[Any, Monitor]:
+    """The reference engine with the sidecar attached (also used by tests and the bench):
+    the plain engine, or the hybrid one for ``--model hybrid|recurrent``."""
+    config = EngineConfig(model=model_config(opts.model, opts.dtype, opts.seed),
+                          num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed,
+                          kv_digest=opts.model == "reference", model_kind=opts.model)
+    engine = build_engine(config)
+    monitor = Monitor(make_adapter(engine),  # type: ignore[arg-type]
                       SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
                                     evidence_dir=opts.evidence_dir,
                                     recompute_tokens_per_s=0,
@@ -136,7 +152,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             otel.shutdown()
 
 
-def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
+def demo_extras(engine: Any, opts: DemoOptions,
                 summary: dict[str, Any] | None = None,
                 fault_start: int | None = None) -> dict[str, Any]:
     """What only the demo knows: the fault, when it started acting, and how many requests
@@ -148,8 +164,13 @@ def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
         at = s.get(key)
         return at - fault_start if at is not None and fault_start is not None else None
 
+    groups = getattr(engine, "group_stats", None)
     return {
         "fault": opts.fault,
+        "model": opts.model,
+        # per cache group: hits it served, real blocks and null (padding) blocks in them
+        "groups": ({name: dict(c) for name, c in groups.items()} if groups is not None
+                   else {"full": {"hits": s.get("hits"), "null_blocks": 0}}),
         "seed": opts.seed,
         "sample_every": opts.sample_every,
         "fault_injections": len(getattr(fault, "injections", ())),

@@ -93,6 +93,8 @@ class HybridEngine:
         self._head_blocked = False
         self.sink_errors: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
+        # per group name: hits it served, real blocks and null blocks in those hits
+        self.group_stats: dict[str, Counter[str]] = {g.label: Counter() for g in self.groups}
 
     # ------------------------------------------------------------------ public API
     def key_fields(self, request: Request) -> KeyFields:
@@ -306,6 +308,13 @@ class HybridEngine:
         blocks = {g: tuple(seq.block_table[g][:n]) for g in self.pools}
         gens = {g: tuple(self.pools[g].blocks[b].generation for b in ids)
                 for g, ids in blocks.items()}
+        for g, ids in blocks.items():
+            group = self.groups[g]
+            nulls = sum(1 for b in ids if g and b in group.null_block_ids)
+            counts = self.group_stats[group.label]
+            counts["hits"] += 1 if len(ids) > nulls else 0
+            counts["blocks"] += len(ids) - nulls
+            counts["null_blocks"] += nulls
         return Hit(tokens=tuple(prompt), hit_tokens=seq.hit_tokens, blocks=blocks,
                    generations=gens, key_fields=dict(key_fields))
 
