@@ -14,6 +14,7 @@ from typing import Any
 
 from sidecar.adapters.reference import make_adapter
 from sidecar.engines.reference.engine import EngineConfig, Result
+from sidecar.engines.reference.faults import fault_applies  # noqa: F401  (the CLI imports it from here)
 from sidecar.engines.reference.hybrid_engine import build_engine
 from sidecar.engines.reference.hybrid_model import model_config
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
@@ -66,18 +67,6 @@ class Progress:
                 f"{time.monotonic() - self.started:5.1f}s")
         end = "\r" if self.tty and done != self.total else "\n"
         print(line, end=end, file=sys.stderr, flush=True)
-
-
-GROUP_KINDS = {"reference": frozenset({"full_attention"}),
-               "hybrid": frozenset({"full_attention", "sliding_window"}),
-               "recurrent": frozenset({"full_attention", "recurrent_state"})}
-
-
-def fault_applies(fault: str, model: str) -> bool:
-    """Whether ``fault`` can act on ``model`` (hybrid faults need their cache groups)."""
-    from sidecar.engines.reference.faults import FAULTS
-    return fault in FAULTS and model in GROUP_KINDS \
-        and FAULTS[fault].applies_to(GROUP_KINDS[model])
 
 
 def build(opts: DemoOptions) -> tuple[Any, Monitor]:
