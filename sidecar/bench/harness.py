@@ -96,6 +96,7 @@ class ScenarioResult:
     samples_to_first_detection: int | None = None
     blocks_to_first_detection: int | None = None
     kinds: Counter[str] = field(default_factory=Counter)
+    false_alarm_kinds: Counter[str] = field(default_factory=Counter)  # "kind@groupN"
     max_clean_error: float = 0.0
     injections: int = 0
     first_injection_request: int | None = None
@@ -238,6 +239,8 @@ class BenchSink:
             self._since_first_affected = (h + 1, b + len(verified))
         flagged = {(f.group_id, f.block_index) for f in verdict.findings}
         wrong = flagged - bad
+        r.false_alarm_kinds.update(f"{f.kind.value}@group{f.group_id}" for f in verdict.findings
+                                   if (f.group_id, f.block_index) in wrong)
         r.false_alarm_blocks += len(wrong)
         r.false_alarm_hits += 1 if wrong else 0
         if not bad and verdict.max_error is not None:
@@ -248,7 +251,8 @@ class BenchSink:
         caught = bool(flagged & bad)
         if caught:
             r.detected_any += 1
-            r.kinds.update({f.kind.value for f in verdict.findings if f.block_index in bad})
+            r.kinds.update({f.kind.value for f in verdict.findings
+                            if (f.group_id, f.block_index) in bad})
             if r.samples_to_first_detection is None and self._since_first_affected:
                 r.samples_to_first_detection, r.blocks_to_first_detection = \
                     self._since_first_affected

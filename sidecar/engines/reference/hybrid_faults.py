@@ -136,7 +136,7 @@ class GroupLayoutMismatch(Fault):
                    "blocks in the wrong layout (token-major bytes in a head-major block); "
                    "the full-attention group stays right")
     corrupts_kv = True
-    default_probability = 0.1
+    default_probability = 0.3
     needs_groups = frozenset({_SLIDING, _RECURRENT})
 
     def on_group_block_full(self, engine: Any, seq: RunningSequence, group_id: int,
