@@ -154,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.fault not in FAULTS:
         raise UsageError(f"unknown fault {args.fault!r}; known faults: {', '.join(FAULTS)} "
                          "(see `kv-sidecar faults`)")
-    from sidecar.demo import fault_applies
+    from sidecar.engines.reference.hybrid_faults import fault_applies
     if not fault_applies(args.fault, args.model):
         raise UsageError(f"fault {args.fault!r} does not apply to --model {args.model} "
                          "(it needs cache groups that model does not have)")

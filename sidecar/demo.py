@@ -14,7 +14,6 @@ from typing import Any
 
 from sidecar.adapters.reference import make_adapter
 from sidecar.engines.reference.engine import EngineConfig, Result
-from sidecar.engines.reference.faults import fault_applies  # noqa: F401  (the CLI imports it from here)
 from sidecar.engines.reference.hybrid_engine import build_engine
 from sidecar.engines.reference.hybrid_model import model_config
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive

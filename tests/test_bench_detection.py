@@ -12,7 +12,8 @@ import pytest
 from sidecar.bench.args import KV_STORAGES as ARG_STORAGES
 from sidecar.bench.harness import Scenario, ScenarioResult, run_many
 from sidecar.cli import main
-from sidecar.engines.reference.faults import FAULTS, fault_applies
+from sidecar.engines.reference.faults import FAULTS
+from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.engines.reference.quant import KV_STORAGES
 
 # A small pool makes the CPU tier spill and load (failed-load-as-hit) within 100 requests.

@@ -9,13 +9,8 @@ import pytest
 
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
-from sidecar.engines.reference.faults import (
-    FAULTS,
-    Fault,
-    describe_faults,
-    fault_applies,
-    make_fault,
-)
+from sidecar.engines.reference.faults import FAULTS, Fault, describe_faults, make_fault
+from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.protocol import BlockRef, Lookup
 from tests.reference_helpers import RecordingSink, clean_small, outputs_by_tag, run_small
 

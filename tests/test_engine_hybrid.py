@@ -18,8 +18,9 @@ from sidecar.adapters.reference_hybrid import HybridReferenceAdapter
 from sidecar.checks.recompute import block_error
 from sidecar.coverage import required_blocks
 from sidecar.engines.reference.config import EngineConfig
-from sidecar.engines.reference.faults import FAULTS, fault_applies
+from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.hybrid_engine import NULL_BLOCK, HybridEngine
+from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.engines.reference.hybrid_model import model_config
 from sidecar.engines.reference.sequence import Request
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive

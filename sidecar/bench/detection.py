@@ -40,7 +40,8 @@ from typing import Any
 from sidecar.bench import digest, policies
 from sidecar.bench.args import add_arguments
 from sidecar.bench.harness import Scenario, ScenarioResult, run_many
-from sidecar.engines.reference.faults import FAULTS, fault_applies
+from sidecar.engines.reference.faults import FAULTS
+from sidecar.engines.reference.hybrid_faults import fault_applies
 
 
 # ---------------------------------------------------------------------- rows

@@ -503,11 +503,6 @@ FAULTS: dict[str, type[Fault]] = {
 }
 
 
-from sidecar.engines.reference.hybrid_faults import HYBRID_FAULTS  # noqa: E402
-
-FAULTS.update({cls.name: cls for cls in HYBRID_FAULTS})
-
-
 def make_fault(name: str, seed: int = 0, start_after: int | None = None,
                probability: float | None = None, **params: Any) -> Fault:
     """Instantiate a fault by name (``kv-sidecar faults`` lists them); ``params`` are the
@@ -521,16 +516,3 @@ def describe_faults() -> list[tuple[str, str]]:
     """(name, one-line description) of every fault, in registry order."""
     return [(name, cls.description) for name, cls in FAULTS.items()]
 
-
-# The cache-group kinds of each model the reference engine runs (``--model``).
-MODEL_GROUP_KINDS: dict[str, frozenset[str]] = {
-    "reference": frozenset({"full_attention"}),
-    "hybrid": frozenset({"full_attention", "sliding_window"}),
-    "recurrent": frozenset({"full_attention", "recurrent_state"}),
-}
-
-
-def fault_applies(name: str, model: str) -> bool:
-    """Whether fault ``name`` can act on ``model`` (hybrid faults need their groups)."""
-    return name in FAULTS and model in MODEL_GROUP_KINDS \
-        and FAULTS[name].applies_to(MODEL_GROUP_KINDS[model])

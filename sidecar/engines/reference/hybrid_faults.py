@@ -7,7 +7,9 @@ They act through :class:`~sidecar.engines.reference.hybrid_engine.HybridEngine`'
 (``on_hybrid_hit``, ``state_to_store``, ``on_group_block_full``), always on group 1 (the
 sliding-window or recurrent group), and record every injection. ``needs_groups`` says which
 group kinds a fault needs; the detection benchmark runs it only on models that have them.
-The offload-tier faults (failed load, partial load) live with the tier.
+The offload-tier faults (failed load, partial load) live with the tier. Importing the
+package (``sidecar.engines.reference``) imports this module, which adds these faults to
+:data:`~sidecar.engines.reference.faults.FAULTS`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sidecar.engines.reference.faults import Fault
+from sidecar.engines.reference.faults import FAULTS, Fault
 
 if TYPE_CHECKING:
     from sidecar.engines.reference.sequence import RunningSequence
@@ -154,3 +156,17 @@ class GroupLayoutMismatch(Fault):
 HYBRID_FAULTS: tuple[type[Fault], ...] = (
     WindowMismatch, MissingGroupState, StaleRecurrentState, NullBlockRead,
     EvictedBetweenMatchAndRead, GroupLayoutMismatch)
+FAULTS.update({cls.name: cls for cls in HYBRID_FAULTS})  # listed with every other fault
+
+# The cache-group kinds of each model the reference engine runs (``--model``).
+MODEL_GROUP_KINDS: dict[str, frozenset[str]] = {
+    "reference": frozenset({"full_attention"}),
+    "hybrid": frozenset({"full_attention", "sliding_window"}),
+    "recurrent": frozenset({"full_attention", "recurrent_state"}),
+}
+
+
+def fault_applies(name: str, model: str) -> bool:
+    """Whether fault ``name`` can act on ``model`` (hybrid faults need their groups)."""
+    return name in FAULTS and model in MODEL_GROUP_KINDS \
+        and FAULTS[name].applies_to(MODEL_GROUP_KINDS[model])

@@ -13,7 +13,7 @@ Results are ``(group_id, index)`` pairs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,16 +24,26 @@ from sidecar.engines.reference.truth import Identity, _bits_equal, _extend_chain
 from sidecar.protocol import Hit
 
 if TYPE_CHECKING:
-    from sidecar.engines.reference.hybrid_engine import HybridEngine
     from sidecar.engines.reference.sequence import RunningSequence
+    from sidecar.protocol import CacheGroup
+
+
+class HybridView(Protocol):
+    """What the truth reads of the hybrid engine (its pools, groups and coverage rule)."""
+
+    pools: dict[int, BlockPool]
+    groups: tuple[CacheGroup, ...]
+    block_size: int
+
+    def required(self, group_id: int, hit_tokens: int) -> range: ...
 
 GroupIndex = tuple[int, int]
 
 
 class HybridTruth:
-    """Shadow pools, identities and taints of every group of a :class:`HybridEngine`."""
+    """Shadow pools, identities and taints of every group of a hybrid engine."""
 
-    def __init__(self, engine: HybridEngine) -> None:
+    def __init__(self, engine: HybridView) -> None:
         self.engine = engine
         self.shadow: dict[int, BlockPool] = {}
         self.identity: dict[int, list[Identity]] = {}
