@@ -215,7 +215,8 @@ class RequiredBlocksSampler:
     def should_sample(self, hit: Hit) -> bool:
         return True
 
-    def choose(self, hit: Hit, block_size: int, max_blocks: int) -> list[BlockRef]:
+    def choose(self, hit: Hit, block_size: int, max_blocks: int,
+               groups: Any = ()) -> list[BlockRef]:
         return [BlockRef(g.group_id, i, int(hit.blocks[g.group_id][i])) for g in self.groups
                 for i in required_blocks(g, hit.hit_tokens, block_size)]
 

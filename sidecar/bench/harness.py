@@ -256,7 +256,9 @@ class BenchSink:
             if r.samples_to_first_detection is None and self._since_first_affected:
                 r.samples_to_first_detection, r.blocks_to_first_detection = \
                     self._since_first_affected
-        if corrupt & verified:
+        # A block a check flagged was decided even where no read or recompute was spent on
+        # it (a null block at a position its group must cover is found by coverage).
+        if corrupt & (verified | flagged):
             r.bad_verified += 1
             r.detected += 1 if flagged & corrupt else 0  # the corrupt block itself flagged
 
