@@ -323,7 +323,9 @@ def test_bench_scenario_runs_a_hybrid_fault_with_the_model_in_its_label() -> Non
                            sample_every=1, fault_probability=1.0)])[0]
     assert r.scenario.label().startswith("hybrid/null-block-read/")
     assert r.injections and r.bad_verified > 0 and r.detected == r.bad_verified
-    assert "zeros" in r.kinds
+    # zeros today (the null block read as KV); null_block_read once the sidecar's
+    # coverage check is merged (engineer hcore): then tighten to that kind alone.
+    assert set(r.kinds) & {"zeros", "null_block_read"}
 
 
 # ---------------------------------------------------------------------- demo and CLI
