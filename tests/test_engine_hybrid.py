@@ -260,6 +260,8 @@ def test_hybrid_faults_apply_only_where_their_groups_are() -> None:
     assert not fault_applies("zero-block", "hybrid")
     with pytest.raises(ValueError, match="does not apply"):
         engine_for("recurrent", fault="window-mismatch")
+    with pytest.raises(ValueError, match="model dtype"):
+        engine_for("hybrid", kv_storage="int8")
 
 
 @pytest.mark.parametrize("fault,model", _cases())

@@ -47,6 +47,12 @@ class HybridEngine(GroupTables):
     def __init__(self, config: EngineConfig, sink: EventSink | None = None,
                  fault: Fault | None = None) -> None:
         c = self.config = config
+        if c.kv_storage is not None or c.cpu_offload_blocks or c.kv_digest:
+            raise ValueError("the hybrid engine keeps KV in the model dtype, with no CPU tier "
+                             "and no write-time digest: leave kv_storage, cpu_offload_blocks "
+                             "and kv_digest at their defaults")
+        if c.num_blocks < 2 or c.block_size < 1:
+            raise ValueError("the hybrid engine needs num_blocks >= 2 (one is the null block)")
         self.sink = sink
         if c.torch_threads is not None:
             torch.set_num_threads(c.torch_threads)
