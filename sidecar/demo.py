@@ -155,7 +155,7 @@ def demo_extras(engine: Any, opts: DemoOptions,
     groups = getattr(engine, "group_stats", None)
     return {
         "fault": opts.fault,
-        "model": opts.model,
+        "model_kind": opts.model,  # reference | hybrid | recurrent ("model": its name)
         # per cache group: hits it served, real blocks and null (padding) blocks in them
         "groups": ({name: dict(c) for name, c in groups.items()} if groups is not None
                    else {"full": {"hits": s.get("hits"), "null_blocks": 0}}),

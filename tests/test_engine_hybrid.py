@@ -348,7 +348,8 @@ def _sidecar_knows_hybrid_groups(model: str) -> bool:
 def test_demo_json_shows_hits_in_every_group_and_no_anomaly(model: str) -> None:
     from sidecar.demo import DemoOptions, run_demo
     s = run_demo(DemoOptions(model=model, requests=40, port=0, progress=False))
-    assert s["model"] == model and len(s["groups"]) == 2
+    assert s["model_kind"] == model and len(s["groups"]) == 2
+    assert s["model"] == ("tiny-gemma2" if model == "hybrid" else "tiny-lfm2")
     assert all(g["hits"] > 0 and g["blocks"] > 0 for g in s["groups"].values())
     assert s["verified"] > 0 and s["max_recompute_error"] < 1e-4
     if not _sidecar_knows_hybrid_groups(model):
