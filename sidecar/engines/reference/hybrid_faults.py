@@ -7,7 +7,14 @@ They act through :class:`~sidecar.engines.reference.hybrid_engine.HybridEngine`'
 (``on_hybrid_hit``, ``state_to_store``, ``on_group_block_full``), always on group 1 (the
 sliding-window or recurrent group), and record every injection. ``needs_groups`` says which
 group kinds a fault needs; the detection benchmark runs it only on models that have them.
-The offload-tier faults (failed load, partial load) live with the tier. Importing the
+The offload-tier faults (failed load, partial load) live with the tier.
+
+What the sidecar reports for each (measured with the hybrid checks merged, float32):
+window-mismatch -> window_mismatch; null-block-read -> null_block_read;
+stale-recurrent-state -> stale_recurrent_state; missing-group-state, evicted-between-match-
+and-read, group-layout-mismatch -> recompute_mismatch on group 1 (the served block holds some
+other content; the evicted one sometimes stale_recurrent_state, its donor being an earlier
+boundary's state). Importing the
 package (``sidecar.engines.reference``) imports this module, which adds these faults to
 :data:`~sidecar.engines.reference.faults.FAULTS`.
 """
