@@ -515,4 +515,3 @@ def make_fault(name: str, seed: int = 0, start_after: int | None = None,
 def describe_faults() -> list[tuple[str, str]]:
     """(name, one-line description) of every fault, in registry order."""
     return [(name, cls.description) for name, cls in FAULTS.items()]
-
