@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault to inject (see `kv-sidecar faults`); default: none")
     d.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="model and KV dtype (default: float32)")
+    d.add_argument("--model", default="reference", choices=("reference", "hybrid", "recurrent"),
+                   help="reference: tiny Llama (one full-attention group); hybrid: Gemma2 "
+                        "sliding window + full; recurrent: LFM2 conv state + full "
+                        "(default: reference)")
     d.add_argument("--requests", type=_positive_int, default=400,
                    help="requests to serve (default: 400)")
     d.add_argument("--sample-every", type=_positive_int, default=4, metavar="N",
@@ -94,10 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
-    d.add_argument("--model", default="reference", choices=("reference", "hybrid", "recurrent"),
-                   help="reference: tiny Llama (one full-attention group); hybrid: Gemma2 "
-                        "sliding window + full; recurrent: LFM2 conv state + full "
-                        "(default: reference)")
     tolerance.add_arguments(d)
 
     sub.add_parser("faults", help="list the injectable faults",
@@ -158,11 +158,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not fault_applies(args.fault, args.model):
         raise UsageError(f"fault {args.fault!r} does not apply to --model {args.model} "
                          "(it needs cache groups that model does not have)")
-    opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
+    opts = DemoOptions(fault=args.fault, model=args.model, dtype=args.dtype,
+                       requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
                        otel=args.otel, progress=not args.quiet,
-                       sidecar=tolerance.config_fields(args), model=args.model)
+                       sidecar=tolerance.config_fields(args))
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.adapters.reference import make_adapter
-from sidecar.engines.reference.engine import EngineConfig, Result
-from sidecar.engines.reference.hybrid_engine import build_engine
-from sidecar.engines.reference.hybrid_model import model_config
+from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
+from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.health import monitor_health
 from sidecar.monitor import Monitor, SidecarConfig
@@ -26,6 +25,7 @@ from sidecar.signals import THRESHOLDS
 @dataclass
 class DemoOptions:
     fault: str = "none"
+    model: str = "reference"  # reference | hybrid | recurrent (hybrid_model.py)
     dtype: str = "float32"
     requests: int = 400
     sample_every: int = 4
@@ -39,7 +39,6 @@ class DemoOptions:
     num_blocks: int = 256
     # Extra SidecarConfig fields (the tolerance flags: tolerances, calibration_samples, ...).
     sidecar: dict[str, Any] = field(default_factory=dict)
-    model: str = "reference"  # reference | hybrid | recurrent (hybrid_model.py)
 
 
 class Progress:
@@ -68,14 +67,35 @@ class Progress:
         print(line, end=end, file=sys.stderr, flush=True)
 
 
-def build(opts: DemoOptions) -> tuple[Any, Monitor]:
-    """The reference engine with the sidecar attached (also used by tests and the bench):
-    the plain engine, or the hybrid one for ``--model hybrid|recurrent``."""
-    config = EngineConfig(model=model_config(opts.model, opts.dtype, opts.seed),
-                          num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed,
-                          kv_digest=opts.model == "reference", model_kind=opts.model)
-    engine = build_engine(config)
-    monitor = Monitor(make_adapter(engine),  # type: ignore[arg-type]
+def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
+    """``--model hybrid|recurrent``: the hybrid engine (one pool per cache group) with the
+    sidecar attached as :func:`build` attaches it (no write-time digest: the hybrid engine
+    keeps none)."""
+    from sidecar.adapters.reference_hybrid import HybridReferenceAdapter
+    from sidecar.engines.reference.hybrid_engine import HybridEngine
+    from sidecar.engines.reference.hybrid_model import model_config
+
+    engine = HybridEngine(EngineConfig(
+        model=model_config(opts.model, opts.dtype, opts.seed), model_kind=opts.model,
+        num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed))
+    # The same sidecar settings as build()'s (keep the two in step).
+    monitor = Monitor(HybridReferenceAdapter(engine),
+                      SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
+                                    evidence_dir=opts.evidence_dir, recompute_tokens_per_s=0,
+                                    allocator_check_min_interval_s=0.0,
+                                    allocator_every_s=0.5, **opts.sidecar))
+    engine.sink = monitor
+    return engine, monitor
+
+
+def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
+    """The reference engine with the sidecar attached (also used by tests and the bench)."""
+    if opts.model != "reference":
+        return build_hybrid(opts)  # the hybrid engine has the same surface
+    engine = ReferenceEngine(EngineConfig(
+        model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
+        fault=opts.fault, fault_seed=opts.seed, kv_digest=True))
+    monitor = Monitor(ReferenceAdapter(engine),
                       SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
                                     evidence_dir=opts.evidence_dir,
                                     recompute_tokens_per_s=0,
@@ -140,7 +160,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             otel.shutdown()
 
 
-def demo_extras(engine: Any, opts: DemoOptions,
+def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
                 summary: dict[str, Any] | None = None,
                 fault_start: int | None = None) -> dict[str, Any]:
     """What only the demo knows: the fault, when it started acting, and how many requests

@@ -13,8 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sidecar.adapters.reference import make_adapter
-from sidecar.adapters.reference_hybrid import HybridReferenceAdapter
+from sidecar.adapters.reference_hybrid import HybridReferenceAdapter, make_adapter
 from sidecar.checks.recompute import block_error
 from sidecar.coverage import required_blocks
 from sidecar.engines.reference.config import EngineConfig

@@ -151,16 +151,3 @@ class ReferenceAdapter:
                 generations=tuple([m.generation for m in metas]),
                 double_frees=pool.release_errors,
             ),)
-
-
-def make_adapter(engine: object) -> object:
-    """The adapter for a reference engine of any model: :class:`ReferenceAdapter` for the
-    plain one, :class:`~sidecar.adapters.reference_hybrid.HybridReferenceAdapter` for a
-    :class:`~sidecar.engines.reference.hybrid_engine.HybridEngine`."""
-    if isinstance(engine, ReferenceEngine):
-        return ReferenceAdapter(engine)
-    from sidecar.adapters.reference_hybrid import HybridReferenceAdapter
-    from sidecar.engines.reference.hybrid_engine import HybridEngine
-    if isinstance(engine, HybridEngine):
-        return HybridReferenceAdapter(engine)
-    raise TypeError(f"not a reference engine: {type(engine).__name__}")

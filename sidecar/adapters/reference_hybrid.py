@@ -126,3 +126,15 @@ class HybridReferenceAdapter:
                 allocation_failures=pool.allocation_failures, allocated_slots=allocated,
                 filled_slots=filled, live_sequences=len(tables),
                 held_blocks=len({b for t in tables.values() for b in t}))
+
+
+def make_adapter(engine: object) -> object:
+    """The adapter for a reference engine of any model: :class:`ReferenceAdapter` for the
+    plain one, :class:`HybridReferenceAdapter` for a :class:`HybridEngine`."""
+    from sidecar.adapters.reference import ReferenceAdapter
+    from sidecar.engines.reference.engine import ReferenceEngine
+    if isinstance(engine, ReferenceEngine):
+        return ReferenceAdapter(engine)
+    if isinstance(engine, HybridEngine):
+        return HybridReferenceAdapter(engine)
+    raise TypeError(f"not a reference engine: {type(engine).__name__}")

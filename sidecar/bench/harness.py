@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.adapters.reference import make_adapter
+from sidecar.adapters.reference_hybrid import make_adapter
 from sidecar.allocator import allocation_failure_rate
 from sidecar.engines.reference.engine import EngineConfig
 from sidecar.engines.reference.faults import FAULTS

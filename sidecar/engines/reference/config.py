@@ -23,6 +23,11 @@ class EngineConfig:
     each stored block (costs a hash of the block's bytes per store)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    # Which model (``reference``: the tiny Llama; ``hybrid``: Gemma2 sliding + full;
+    # ``recurrent``: LFM2 conv state + full, see hybrid_model.py) and, for ``hybrid``,
+    # the sliding window in tokens. Hybrid models run on HybridEngine (hybrid_engine.py).
+    model_kind: str = "reference"
+    sliding_window: int = 32
     block_size: int = 16
     num_blocks: int = 128
     max_running: int = 4
@@ -45,8 +50,3 @@ class EngineConfig:
     # buy nothing and, when the cores are shared (the sidecar's recompute, other processes),
     # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
     torch_threads: int | None = 1
-    # Which model (``reference``: the tiny Llama; ``hybrid``: Gemma2 sliding + full;
-    # ``recurrent``: LFM2 conv state + full, see hybrid_model.py) and, for ``hybrid``,
-    # the sliding window in tokens. Hybrid models run on HybridEngine (hybrid_engine.py).
-    model_kind: str = "reference"
-    sliding_window: int = 32
