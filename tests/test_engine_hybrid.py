@@ -376,3 +376,28 @@ def test_cli_refuses_a_fault_the_model_cannot_have(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--model", "mamba"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("model,fault", [("hybrid", "window-mismatch"),
+                                         ("recurrent", "missing-group-state")])
+def test_every_group_keeps_the_allocator_invariants(model: str, fault: str) -> None:
+    """Per-group snapshots (null block reserved) pass the sidecar's invariant checks after
+    every request, also while a block-table fault rewrites tables (it moves references)."""
+    from sidecar.allocator.invariants import check_snapshot
+    engine = engine_for(model, fault=fault, fault_start_after=2, fault_probability=1.0)
+    adapter = HybridReferenceAdapter(engine)
+    violations: list[Any] = []
+    snapshots = 0
+
+    def check(_: Any) -> None:
+        nonlocal snapshots
+        for snap in adapter.block_tables():
+            snapshots += 1
+            violations.extend(check_snapshot(snap))
+
+    workload = ChatWorkload(WorkloadConfig(seed=2, conversations=24, block_size=BS))
+    drive(engine, workload, max_requests=24, on_result=check)
+    assert engine.fault.injections and snapshots == 48 and violations == []
+    snap = adapter.block_tables()[1]
+    assert snap.reserved == (NULL_BLOCK,) and all(NULL_BLOCK not in t
+                                                  for t in snap.sequences.values())

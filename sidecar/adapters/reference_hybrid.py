@@ -22,14 +22,17 @@ from sidecar.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
+    BlockTableSnapshot,
     EngineInfo,
     GroupKind,
     Hit,
+    SequenceId,
 )
 
 
 class HybridReferenceAdapter:
-    """Implements :class:`sidecar.protocol.Adapter` for a :class:`HybridEngine`."""
+    """Implements :class:`sidecar.protocol.Adapter` and
+    :class:`sidecar.protocol.AllocatorIntrospection` for a :class:`HybridEngine`."""
 
     def __init__(self, engine: HybridEngine) -> None:
         self.engine = engine
@@ -126,6 +129,27 @@ class HybridReferenceAdapter:
                 allocation_failures=pool.allocation_failures, allocated_slots=allocated,
                 filled_slots=filled, live_sequences=len(tables),
                 held_blocks=len({b for t in tables.values() for b in t}))
+
+    def block_tables(self) -> tuple[BlockTableSnapshot, ...]:
+        """Each group's pool lists, per-block state, index and the live block tables (null
+        entries left out: the null block is reserved), in one hold of the engine's lock."""
+        engine = self.engine
+        out = []
+        with engine.lock:
+            for g, pool in engine.pools.items():
+                free, cached, index = pool.lists()
+                metas = pool.blocks
+                null = engine.groups[g].null_block_ids
+                sequences: dict[SequenceId, tuple[int, ...]] = {
+                    seq: tuple(b for b in table if b not in null)
+                    for seq, table in engine.live_block_tables(g).items()}
+                out.append(BlockTableSnapshot(
+                    group_id=g, num_blocks=pool.num_blocks, free=free, cached=cached,
+                    ref_counts=tuple([m.ref_count for m in metas]),
+                    block_hashes=tuple([m.block_hash for m in metas]), index=index,
+                    sequences=sequences, generations=tuple([m.generation for m in metas]),
+                    double_frees=pool.release_errors, reserved=tuple(sorted(null))))
+        return tuple(out)
 
 
 def make_adapter(engine: object) -> object:
