@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault to inject (see `kv-sidecar faults`); default: none")
     d.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="model and KV dtype (default: float32)")
+    d.add_argument("--model", default="reference", choices=("reference", "hybrid", "recurrent"),
+                   help="reference: tiny Llama (one full-attention group); hybrid: Gemma2 "
+                        "sliding window + full; recurrent: LFM2 conv state + full "
+                        "(default: reference)")
     d.add_argument("--requests", type=_positive_int, default=400,
                    help="requests to serve (default: 400)")
     d.add_argument("--sample-every", type=_positive_int, default=4, metavar="N",
@@ -199,7 +203,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.fault not in FAULTS:
         raise UsageError(f"unknown fault {args.fault!r}; known faults: {', '.join(FAULTS)} "
                          "(see `kv-sidecar faults`)")
-    opts = DemoOptions(fault=args.fault, dtype=args.dtype, requests=args.requests,
+    from sidecar.engines.reference.hybrid_faults import fault_applies
+    if not fault_applies(args.fault, args.model):
+        raise UsageError(f"fault {args.fault!r} does not apply to --model {args.model} "
+                         "(it needs cache groups that model does not have)")
+    opts = DemoOptions(fault=args.fault, model=args.model, dtype=args.dtype,
+                       requests=args.requests,
                        sample_every=args.sample_every, seed=args.seed, port=args.port,
                        hold_s=args.hold, pace_s=args.pace, evidence_dir=args.evidence_dir,
                        otel=args.otel, otlp_endpoint=args.otlp_endpoint,

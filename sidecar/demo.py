@@ -25,6 +25,7 @@ from sidecar.signals import THRESHOLDS
 @dataclass
 class DemoOptions:
     fault: str = "none"
+    model: str = "reference"  # reference | hybrid | recurrent (hybrid_model.py)
     dtype: str = "float32"
     requests: int = 400
     sample_every: int = 4
@@ -70,8 +71,31 @@ class Progress:
         print(line, end=end, file=sys.stderr, flush=True)
 
 
+def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
+    """``--model hybrid|recurrent``: the hybrid engine (one pool per cache group) with the
+    sidecar attached as :func:`build` attaches it (no write-time digest: the hybrid engine
+    keeps none)."""
+    from sidecar.adapters.reference_hybrid import HybridReferenceAdapter
+    from sidecar.engines.reference.hybrid_engine import HybridEngine
+    from sidecar.engines.reference.hybrid_model import model_config
+
+    engine = HybridEngine(EngineConfig(
+        model=model_config(opts.model, opts.dtype, opts.seed), model_kind=opts.model,
+        num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed))
+    # The same sidecar settings as build()'s (keep the two in step).
+    monitor = Monitor(HybridReferenceAdapter(engine),
+                      SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
+                                    evidence_dir=opts.evidence_dir, recompute_tokens_per_s=0,
+                                    allocator_check_min_interval_s=0.0,
+                                    allocator_every_s=0.5, **opts.sidecar))
+    engine.sink = monitor
+    return engine, monitor
+
+
 def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
     """The reference engine with the sidecar attached (also used by tests and the bench)."""
+    if opts.model != "reference":
+        return build_hybrid(opts)  # the hybrid engine has the same surface
     engine = ReferenceEngine(EngineConfig(
         model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
         fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
@@ -159,8 +183,13 @@ def demo_extras(engine: ReferenceEngine, opts: DemoOptions,
         at = s.get(key)
         return at - fault_start if at is not None and fault_start is not None else None
 
+    groups = getattr(engine, "group_stats", None)
     return {
         "fault": opts.fault,
+        "model_kind": opts.model,  # reference | hybrid | recurrent ("model": its name)
+        # per cache group: hits it served, real blocks and null (padding) blocks in them
+        "groups": ({name: dict(c) for name, c in groups.items()} if groups is not None
+                   else {"full": {"hits": s.get("hits"), "null_blocks": 0}}),
         "seed": opts.seed,
         "sample_every": opts.sample_every,
         "fault_injections": len(getattr(fault, "injections", ())),

@@ -13,17 +13,20 @@ from sidecar.bench.args import KV_STORAGES as ARG_STORAGES
 from sidecar.bench.harness import Scenario, ScenarioResult, run_many
 from sidecar.cli import main
 from sidecar.engines.reference.faults import FAULTS
+from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.engines.reference.quant import KV_STORAGES
 
 # A small pool makes the CPU tier spill and load (failed-load-as-hit) within 100 requests.
 REDUCED = {"requests": 100, "num_blocks": 64, "sample_every": 2}
-KV_FAULTS = sorted(n for n, cls in FAULTS.items() if cls.corrupts_kv)
-ALLOCATOR_FAULTS = sorted(n for n, cls in FAULTS.items() if n != "none" and not cls.corrupts_kv)
+# The plain engine's faults; the hybrid ones run on hybrid models (test_engine_hybrid.py).
+PLAIN = [n for n in FAULTS if fault_applies(n, "reference")]
+KV_FAULTS = sorted(n for n in PLAIN if FAULTS[n].corrupts_kv)
+ALLOCATOR_FAULTS = sorted(n for n in PLAIN if n != "none" and not FAULTS[n].corrupts_kv)
 
 
 @cache
 def float32_runs() -> dict[str, ScenarioResult]:
-    faults = [n for n in FAULTS if n != "none"]
+    faults = [n for n in PLAIN if n != "none"]
     results = run_many([Scenario(fault=f, dtype="float32", **REDUCED) for f in faults])
     return {r.scenario.fault: r for r in results}
 

@@ -10,6 +10,7 @@ import pytest
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
 from sidecar.engines.reference.faults import FAULTS, Fault, describe_faults, make_fault
+from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.protocol import BlockRef, Lookup
 from tests.reference_helpers import RecordingSink, clean_small, outputs_by_tag, run_small
 
@@ -20,7 +21,9 @@ OVERRIDES: dict[str, dict[str, object]] = {
     # An fp8 round trip is a few percent per element: every block, to flip a greedy token.
     "storage-downcast": {"fault_probability": 1.0},
 }
-CORRUPTING = sorted(name for name, cls in FAULTS.items() if cls.corrupts_kv)
+# The plain engine's faults (hybrid ones: tests/test_engine_hybrid.py).
+CORRUPTING = sorted(name for name, cls in FAULTS.items()
+                    if cls.corrupts_kv and fault_applies(name, "reference"))
 
 
 def clean_outputs() -> dict[str, tuple[int, ...]]:

@@ -7,6 +7,7 @@ import argparse
 import os
 
 DTYPES = ("float32", "bfloat16", "float16")
+MODELS = ("reference", "hybrid", "recurrent")  # faults.MODEL_GROUP_KINDS (tested)
 KV_STORAGES = ("int8",)  # mirrors sidecar.engines.reference.quant.KV_STORAGES (tested)
 
 
@@ -40,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the sidecar calibrates its tolerance from the first N clean blocks "
                         "of every run (default: 64, done before any fault starts; 0: the "
                         "fixed tolerance table)")
+    p.add_argument("--model", nargs="+", default=["reference"], choices=MODELS,
+                   metavar="MODEL",
+                   help="reference engine models to run (reference, hybrid: Gemma2 sliding "
+                        "+ full, recurrent: LFM2 conv state + full; default: reference). "
+                        "Each fault runs on the models that have the cache groups it needs")
     p.add_argument("--calibration-multiple", type=float, default=4.0, metavar="X",
                    help="calibrated tolerance = X x noise floor (default: 4)")
 

@@ -41,6 +41,7 @@ from sidecar.bench import digest, policies
 from sidecar.bench.args import add_arguments
 from sidecar.bench.harness import Scenario, ScenarioResult, run_many
 from sidecar.engines.reference.faults import FAULTS
+from sidecar.engines.reference.hybrid_faults import fault_applies
 
 
 # ---------------------------------------------------------------------- rows
@@ -48,7 +49,7 @@ def fault_row(r: ScenarioResult) -> dict[str, Any]:
     sc = r.scenario
     by_allocator = not FAULTS[sc.fault].corrupts_kv
     return {
-        "fault": sc.fault, "dtype": sc.dtype, "kv_storage": r.kv_storage,
+        "fault": sc.fault, "model": sc.model, "dtype": sc.dtype, "kv_storage": r.kv_storage,
         "caught_by": "allocator signals" if by_allocator else "verification",
         "requests": r.requests, "hits": r.hits, "affected": r.affected, "sampled": r.sampled,
         "bad_verified": r.bad_verified, "detected": r.detected, "detected_any": r.detected_any,
@@ -58,6 +59,7 @@ def fault_row(r: ScenarioResult) -> dict[str, Any]:
         "blocks_to_first_detection": r.blocks_to_first_detection,
         "kinds": sorted(r.kinds), "kind_counts": dict(sorted(r.kinds.items())),
         "false_alarms": r.false_alarm_blocks, "verified_hits": r.verified_hits,
+        "false_alarm_kinds": dict(sorted(r.false_alarm_kinds.items())),
         "verified": r.verified_blocks, "noise_floor": r.max_clean_error,
         "tolerance": r.tolerance, "calibrated_floor": r.calibrated_floor,
         "injections": r.injections,
@@ -71,9 +73,11 @@ def fault_row(r: ScenarioResult) -> dict[str, Any]:
 def clean_row(r: ScenarioResult) -> dict[str, Any]:
     noise = r.max_clean_error
     return {
+        "model": r.scenario.model,
         "dtype": r.scenario.dtype, "kv_storage": r.kv_storage, "requests": r.requests,
         "verified": r.verified_blocks, "verified_hits": r.verified_hits,
         "false_positives": r.false_alarm_blocks, "false_positive_hits": r.false_alarm_hits,
+        "false_positive_kinds": dict(sorted(r.false_alarm_kinds.items())),
         "affected": r.affected, "noise_floor": noise, "tolerance": r.tolerance,
         "calibrated_floor": r.calibrated_floor,
         "margin": round(r.tolerance / noise, 1) if noise > 0 else None,
@@ -86,6 +90,8 @@ def failures(report: dict[str, Any], clean_samples: int) -> list[str]:
     out: list[str] = []
     for row in report["faults"]:
         name = f"{row['fault']}/{row['dtype']}"
+        if row.get("model", "reference") != "reference":
+            name = f"{row['model']}/{name}"
         if row["caught_by"] == "verification":
             if not row["bad_verified"]:
                 out.append(f"{name}: no affected hit was verified")
@@ -97,6 +103,8 @@ def failures(report: dict[str, Any], clean_samples: int) -> list[str]:
             out.append(f"{name}: {row['false_alarms']} false alarms")
     for row in report["clean"]:
         name = f"clean {row['dtype']}/{row['kv_storage'] or 'model'}"
+        if row.get("model", "reference") != "reference":
+            name = f"clean {row['model']}/{row['dtype']}"
         if row["false_positives"] or row["allocator_false_alarms"] or row["affected"]:
             out.append(f"{name}: false positives")
         if row["verified"] < clean_samples:
@@ -121,12 +129,17 @@ def run(args: argparse.Namespace) -> int:
            "calibration_multiple": args.calibration_multiple}
     fault_runs = [Scenario(fault=f, dtype=d, requests=args.requests,
                            sample_every=args.sample_every,
-                           blocks_per_sample=args.blocks_per_sample, seed=args.seed, **cal)
-                  for f in faults for d in args.dtype]
+                           blocks_per_sample=args.blocks_per_sample, seed=args.seed,
+                           model=m, **cal)
+                  for m in args.model for f in faults if fault_applies(f, m)
+                  for d in args.dtype]
     storages = [None if s == "model" else s for s in args.clean_storage]
+    # Quantised storage is the plain engine's (the hybrid pools keep the model dtype).
     clean_runs = [Scenario(dtype=d, kv_storage=s, sample_every=1, requests=200,
-                           seed=args.seed, min_verified_blocks=args.clean_samples, **cal)
-                  for d in args.dtype for s in storages] if args.clean_samples > 0 else []
+                           seed=args.seed, min_verified_blocks=args.clean_samples, model=m,
+                           **cal)
+                  for m in args.model for d in args.dtype for s in storages
+                  if m == "reference" or s is None] if args.clean_samples > 0 else []
     policy_runs = policies.scenarios(args.policy_seeds, 8, 2, 200) \
         if args.policy_seeds > 0 else []
     everything = [*clean_runs, *fault_runs, *policy_runs]
@@ -148,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                      "blocks_per_sample": args.blocks_per_sample or "all",
                      "clean_samples": args.clean_samples, "policy_seeds": args.policy_seeds,
                      "policy_sample_every": 8, "policy_blocks_per_sample": 2,
-                     "seed": args.seed, "jobs": args.jobs,
+                     "seed": args.seed, "jobs": args.jobs, "models": args.model,
                      "calibration_samples": args.calibrate,
                      "calibration_multiple": args.calibration_multiple},
     }

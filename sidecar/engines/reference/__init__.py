@@ -9,6 +9,7 @@ in :mod:`sidecar.adapters.reference`.
 
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
 from sidecar.engines.reference.faults import FAULTS, Fault, describe_faults, make_fault
+from sidecar.engines.reference.hybrid_faults import fault_applies  # registers hybrid faults
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 
@@ -24,5 +25,6 @@ __all__ = [
     "WorkloadConfig",
     "describe_faults",
     "drive",
+    "fault_applies",
     "make_fault",
 ]

@@ -23,6 +23,11 @@ class EngineConfig:
     each stored block (costs a hash of the block's bytes per store)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    # Which model (``reference``: the tiny Llama; ``hybrid``: Gemma2 sliding + full;
+    # ``recurrent``: LFM2 conv state + full, see hybrid_model.py) and, for ``hybrid``,
+    # the sliding window in tokens. Hybrid models run on HybridEngine (hybrid_engine.py).
+    model_kind: str = "reference"
+    sliding_window: int = 32
     block_size: int = 16
     num_blocks: int = 128
     max_running: int = 4

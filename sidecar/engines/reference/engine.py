@@ -81,6 +81,9 @@ class ReferenceEngine:
         self.fault = fault or make_fault(c.fault, seed=c.fault_seed,
                                          start_after=c.fault_start_after,
                                          probability=c.fault_probability, **c.fault_params)
+        if not self.fault.applies_to(frozenset({"full_attention"})):
+            raise ValueError(f"fault {self.fault.name!r} needs a hybrid model's cache groups "
+                             f"({', '.join(sorted(self.fault.needs_groups))})")
         self.config = c = _with_fault_needs(c, self.fault)
         self.sink = sink
         if c.torch_threads is not None:

@@ -58,6 +58,9 @@ class Fault:
     # Engine settings the fault needs to act at all (a CPU tier, quantised storage); the
     # engine turns them on where its config left them at their defaults.
     engine_needs: ClassVar[dict[str, Any]] = {}
+    # Cache-group kinds (GroupKind values) a hybrid fault acts on; empty: a fault of the
+    # plain reference engine (one full-attention group). See applies_to.
+    needs_groups: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, seed: int = 0, start_after: int | None = None,
                  probability: float | None = None) -> None:
@@ -127,6 +130,33 @@ class Fault:
         """Release ``seq``'s blocks instead of the engine; ``None`` = the clean release.
         Returns the blocks that left the index (the engine reports them freed)."""
         return None
+
+    # ------------------------------------------------------------------ hybrid hooks
+    # Called by HybridEngine only (hybrid_engine.py), with its lock held.
+    @classmethod
+    def applies_to(cls, group_kinds: frozenset[str]) -> bool:
+        """Whether the fault can act on an engine whose groups have ``group_kinds``: plain
+        faults on the one-group reference engine, hybrid faults where their groups are."""
+        if cls.name == "none":
+            return True
+        if not cls.needs_groups:
+            return group_kinds == frozenset({"full_attention"})
+        return bool(cls.needs_groups & group_kinds)
+
+    def on_hybrid_hit(self, engine: Any, seq: RunningSequence, hit_blocks: int) -> None:
+        """After a hybrid hit of ``hit_blocks`` blocks was matched and allocated, before
+        it is reported and read: block-table bugs rewrite ``seq.block_table`` here
+        (through ``engine.swap``)."""
+
+    def state_to_store(self, engine: Any, seq: RunningSequence, index: int,
+                       state: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """The recurrent state the engine stores for boundary block ``index`` (``previous``:
+        the state it stored for the boundary before, if any)."""
+        return state
+
+    def on_group_block_full(self, engine: Any, seq: RunningSequence, group_id: int,
+                            block_id: int) -> None:
+        """A block of a hybrid group became full, before it is indexed and reported."""
 
 
 # ---------------------------------------------------------------------- content faults

@@ -113,6 +113,15 @@ class BlockPool:
             found.append(b)
         return found
 
+    def find(self, block_hash: BlockHash) -> int | None:
+        """The block indexed under ``block_hash`` (a hybrid group checks single positions)."""
+        return self._index.get(block_hash)
+
+    def reserve(self, block_id: int) -> None:
+        """Take a free block out of circulation for good: a hybrid group's null block,
+        which pads block-table positions the group holds no state for."""
+        self._free.pop(block_id, None)
+
     def largest_free_run(self) -> int:
         """Longest run of consecutive block ids on the free queue."""
         best = run = 0
