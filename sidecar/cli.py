@@ -216,6 +216,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        otlp_protocol=args.otlp_protocol, progress=not args.quiet,
                        sidecar={**args.sidecar_overrides, **tolerance.config_fields(args)})
     opts.device = _device(args.device)
+    if opts.device != "cpu" and args.model != "reference":
+        raise UsageError(f"--model {args.model} runs on the CPU only; --device "
+                         f"{args.device} needs --model reference")
     summary = run_demo(opts)
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

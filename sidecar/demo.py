@@ -71,6 +71,17 @@ class Progress:
         print(line, end=end, file=sys.stderr, flush=True)
 
 
+def sidecar_config(opts: DemoOptions) -> SidecarConfig:
+    """The demo's sidecar settings, for every model; a config file, the environment and
+    flags (``opts.sidecar``) override them."""
+    return SidecarConfig(**{**dict(
+        sample_every=opts.sample_every, seed=opts.seed, evidence_dir=opts.evidence_dir,
+        recompute_tokens_per_s=0,
+        # check the allocator after every release: the demo reports the request at which
+        # each fault was caught
+        allocator_check_min_interval_s=0.0, allocator_every_s=0.5), **opts.sidecar})
+
+
 def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
     """``--model hybrid|recurrent``: the hybrid engine (one pool per cache group) with the
     sidecar attached as :func:`build` attaches it (no write-time digest: the hybrid engine
@@ -79,15 +90,13 @@ def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
     from sidecar.engines.reference.hybrid_engine import HybridEngine
     from sidecar.engines.reference.hybrid_model import model_config
 
+    if opts.device != "cpu":
+        raise ValueError(f"--model {opts.model} runs on the CPU only (got --device "
+                         f"{opts.device}); the reference model runs on CUDA")
     engine = HybridEngine(EngineConfig(
         model=model_config(opts.model, opts.dtype, opts.seed), model_kind=opts.model,
         num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed))
-    # The same sidecar settings as build()'s (keep the two in step).
-    monitor = Monitor(HybridReferenceAdapter(engine),
-                      SidecarConfig(sample_every=opts.sample_every, seed=opts.seed,
-                                    evidence_dir=opts.evidence_dir, recompute_tokens_per_s=0,
-                                    allocator_check_min_interval_s=0.0,
-                                    allocator_every_s=0.5, **opts.sidecar))
+    monitor = Monitor(HybridReferenceAdapter(engine), sidecar_config(opts))
     engine.sink = monitor
     return engine, monitor
 
@@ -99,14 +108,7 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
     engine = ReferenceEngine(EngineConfig(
         model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
         fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
-    monitor = Monitor(ReferenceAdapter(engine),
-                      SidecarConfig(**{**dict(sample_every=opts.sample_every, seed=opts.seed,
-                                    evidence_dir=opts.evidence_dir,
-                                    recompute_tokens_per_s=0,
-                                    # check the allocator after every release: the demo
-                                    # reports the request at which each fault was caught
-                                    allocator_check_min_interval_s=0.0,
-                                    allocator_every_s=0.5), **opts.sidecar}))
+    monitor = Monitor(ReferenceAdapter(engine), sidecar_config(opts))
     engine.sink = monitor
     return engine, monitor
 
