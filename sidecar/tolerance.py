@@ -61,16 +61,20 @@ EPSILON: dict[str, float] = {
     "float16": 2.0 ** -10,
     "bfloat16": 2.0 ** -7,
 }
-MIN_ULPS = 2.0  # the smallest tolerance a calibration may set, in epsilons of the dtype
+MIN_ULPS = 8.0  # the smallest tolerance a calibration may set, in epsilons of the dtype
 
 
 def min_tolerance(dtype: str) -> float:
     """The floor under any calibrated tolerance: ``MIN_ULPS`` epsilons of ``dtype``.
 
     The error is relative to the block's RMS, and one rounding step on the largest
-    element of a block is about ``eps * amax / rms``; two epsilons let an exact-0
-    reference (the engine recomputing with its own kernels) survive a lone re-rounding
-    without opening the gap a real corruption would slip through."""
+    element of a block is about ``eps * amax / rms``, with ``amax / rms`` commonly 3-6 for
+    K/V. Measured on the hybrid reference engine in bfloat16: the first 500+ blocks (short
+    contexts) match the recompute bit for bit, so the learnt floor is 0, and from a few
+    hundred tokens of context on the cached path's different accumulation order costs an
+    honest 0.02-0.03 (3-4 epsilons). Eight epsilons (0.0625 in bfloat16) survive that
+    lone re-rounding with a 2x margin, and stay far under what a real corruption costs
+    (an fp8 round trip of bfloat16 KV: ~0.2; a zeroed or stale block: >= 1)."""
     name = dtype.removeprefix("torch.")
     if name not in EPSILON:
         raise ValueError(f"no epsilon for dtype {dtype!r}; known: {', '.join(sorted(EPSILON))}")
