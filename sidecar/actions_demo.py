@@ -193,20 +193,6 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("actions-demo", help="background scrub / quarantine + breaker demo",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--scenario", choices=("scrub", "breaker"), default="breaker")
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corrupt", type=int, default=4, help="blocks to corrupt")
-    p.add_argument("--seconds", type=float, default=25.0,
-                   help="scrub scenario: how long the scheduled scrub runs")
-    p.add_argument("--budget", type=float, default=120_000.0,
-                   help="scrub scenario: recompute budget, tokens per minute")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-
-
 def run(args: argparse.Namespace) -> int:
     for name in ("requests", "corrupt"):
         if getattr(args, name) < 1:

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(sub)
     for name in CONFIGURED:
         add_config_arguments(sub.choices[name])
-    from sidecar.actions_demo import add_parser as add_actions_demo_parser
+    from sidecar.actions_demo_cli import add_parser as add_actions_demo_parser
 
     add_actions_demo_parser(sub)  # background scrub, quarantine + breaker (engineer scrub)
     return p

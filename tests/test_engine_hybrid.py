@@ -290,9 +290,8 @@ def test_hybrid_fault_injects_what_it_claims(fault: str, model: str) -> None:
     assert max(errors[n:], default=0.0) < 1e-4  # the full group is right
     assert min(errors[:n]) > 1e-2 or any(r.block_id == NULL_BLOCK for r in refs)
     _fault_specific(fault, engine, rec, hit, corrupt)
-    # The current verifier flags a wrong group-1 block of every affected hit (kinds it
-    # knows: zeros, recompute_mismatch, token_mismatch; on the recurrent group, structure
-    # until the recurrent-state checks land).
+    # The verifier flags a wrong group-1 block of every affected hit (the kind each fault
+    # is named with is asserted over the detection benchmark's rows).
     assert len(rec.flagged) == len(affected)
     for flagged, (_, bad, _) in zip(rec.flagged, affected, strict=True):
         assert flagged & set(bad), (bad, flagged)
@@ -332,26 +331,12 @@ def test_bench_detection_runs_hybrid_faults_on_the_models_that_have_their_groups
     assert [(r["model"], r["fault"]) for r in rows] == [("hybrid", "null-block-read")]
     r = rows[0]
     assert r["injections"] and r["bad_verified"] > 0 and r["detected"] == r["bad_verified"]
-    # zeros today (the null block read as KV); null_block_read once the sidecar's
-    # coverage check is merged (engineer hcore): then tighten to that kind alone.
-    assert set(r["kinds"]) & {"zeros", "null_block_read"}
+    # Named from the block table alone: the null block is never read as KV (no "zeros").
+    assert set(r["kinds"]) == {"null_block_read"}
     assert report["settings"]["models"] == ["reference", "hybrid"]
 
 
 # ---------------------------------------------------------------------- demo and CLI
-def _sidecar_knows_hybrid_groups(model: str) -> bool:
-    """Whether this branch's sidecar already has the hybrid-group checks (engineer hcore's
-    per-group coverage module and a structure check that knows recurrent state): probed,
-    so the clean-demo assertion below runs by itself once they are merged."""
-    import importlib.util
-    import inspect
-
-    from sidecar.checks.structure import check_structure
-    if importlib.util.find_spec("sidecar.checks.coverage") is None:
-        return False  # block choice still lands on null blocks (false zeros)
-    return model != "recurrent" or "kind" in inspect.signature(check_structure).parameters
-
-
 @pytest.mark.parametrize("model", ["hybrid", "recurrent"])
 def test_demo_json_shows_hits_in_every_group_and_no_anomaly(model: str) -> None:
     from sidecar.demo import DemoOptions, run_demo
@@ -360,9 +345,6 @@ def test_demo_json_shows_hits_in_every_group_and_no_anomaly(model: str) -> None:
     assert s["model"] == ("tiny-gemma2" if model == "hybrid" else "tiny-lfm2")
     assert all(g["hits"] > 0 and g["blocks"] > 0 for g in s["groups"].values())
     assert s["verified"] > 0 and s["max_recompute_error"] < 1e-4
-    if not _sidecar_knows_hybrid_groups(model):
-        pytest.skip("needs the sidecar-side hybrid checks (engineer hcore): choose_blocks "
-                    "by required_blocks, recurrent-state structure")
     assert s["anomalies"] == {}
 
 
