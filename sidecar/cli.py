@@ -58,15 +58,6 @@ _port = _bounded(int, 0, 65535)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _otlp_endpoint(text: str) -> str:
-    from sidecar.otel_push import parse_endpoint
-
-    try:
-        return parse_endpoint(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kv-sidecar",
@@ -109,15 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON evidence file per anomaly here")
     d.add_argument("--otel", choices=("none", "console"), default="none",
                    help="also export through OpenTelemetry (console exporter)")
-    d.add_argument("--otlp-endpoint", type=_otlp_endpoint, default=None, metavar="URL",
-                   help="push every signal and one span per verification over OTLP/HTTP "
-                        "protobuf to this receiver, e.g. http://127.0.0.1:4318 (needs the "
-                        "otlp extra)")
-    d.add_argument("--otlp-interval", type=_bounded(float, 0.1), default=10.0,
-                   metavar="SECONDS", help="metric push interval (default: 10)")
-    d.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"),
-                   default="http/protobuf",
-                   help="OTLP transport (grpc: host:port, needs the otlp-grpc extra)")
+    from sidecar.otel_push import add_arguments as add_otlp_arguments
+
+    add_otlp_arguments(d)
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="where the engine's model and KV live: cpu or cuda[:N] (default: cpu; "
@@ -189,14 +174,12 @@ def cmd_signals(markdown: bool) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     require("demo")
-    if args.otlp_endpoint:
-        from sidecar.otel_push import check_endpoint
+    from sidecar.otel_push import check_arguments as check_otlp
 
-        try:
-            check_endpoint(args.otlp_endpoint, args.otlp_protocol)
-        except ValueError as exc:
-            raise UsageError(f"--otlp-endpoint: {exc}") from None
-        require("otlp-grpc" if args.otlp_protocol == "grpc" else "otlp")
+    try:
+        check_otlp(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     from sidecar.demo import DemoOptions, format_summary, run_demo
     from sidecar.engines.reference.faults import FAULTS
 

@@ -86,6 +86,47 @@ def check_endpoint(endpoint: str, protocol: str) -> None:
         raise ValueError(f"an OTLP/gRPC endpoint is host:port, without a path: {endpoint!r}")
 
 
+def add_arguments(p: Any) -> None:
+    """The OTLP push flags, the same on every command that runs a sidecar (``demo``,
+    ``vllm serve``): ``--otlp-endpoint``, ``--otlp-interval``, ``--otlp-protocol``."""
+    import argparse
+
+    def endpoint(text: str) -> str:
+        try:
+            return parse_endpoint(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    def interval(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= 0.1:
+            raise argparse.ArgumentTypeError(f"must be >= 0.1, got {text}")
+        return value
+
+    p.add_argument("--otlp-endpoint", type=endpoint, default=None, metavar="URL",
+                   help="push every signal and one span per verification over OTLP/HTTP "
+                        "protobuf to this receiver, e.g. http://127.0.0.1:4318 (needs the "
+                        "otlp extra)")
+    p.add_argument("--otlp-interval", type=interval, default=10.0, metavar="SECONDS",
+                   help="metric push interval (default: 10)")
+    p.add_argument("--otlp-protocol", choices=PROTOCOLS, default="http/protobuf",
+                   help="OTLP transport (grpc: host:port, needs the otlp-grpc extra)")
+
+
+def check_arguments(args: Any) -> None:
+    """:class:`ValueError` naming the flag when the OTLP flags cannot work together, and
+    the missing extra (:class:`sidecar.extras.MissingExtra`) when push is asked for."""
+    if args.otlp_endpoint:
+        try:
+            check_endpoint(args.otlp_endpoint, args.otlp_protocol)
+        except ValueError as exc:
+            raise ValueError(f"--otlp-endpoint: {exc}") from None
+        require("otlp-grpc" if args.otlp_protocol == "grpc" else "otlp")
+
+
 def verdict_label(verdict: Verdict) -> str:
     if verdict.findings:
         return "anomalous"

@@ -208,3 +208,19 @@ def test_a_failing_verdict_listener_never_breaks_reporting() -> None:
     assert len(calls) == 2
     assert mon.metrics.value(S.ANOMALIES.name, group="0", kind="zeros") >= 1
     assert mon.reporter._listener_errors == 2
+
+
+def test_vllm_serve_takes_the_same_otlp_flags() -> None:
+    """``kv-sidecar vllm serve`` pushes like ``demo`` does: the same three flags, the same
+    checks (a bad URL is a usage error naming the flag)."""
+    from sidecar.adapters.vllm.cli import parser
+
+    base = ["serve", "--model", "m", "--dtype", "float32", "--block-size", "16"]
+    args = parser().parse_args([*base, "--otlp-endpoint", "http://127.0.0.1:4318",
+                                "--otlp-interval", "2", "--otlp-protocol", "grpc"])
+    assert (args.otlp_endpoint, args.otlp_interval, args.otlp_protocol) == (
+        "http://127.0.0.1:4318", 2.0, "grpc")
+    assert parser().parse_args(base).otlp_endpoint is None  # off by default
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args([*base, "--otlp-endpoint", "ftp://127.0.0.1:4318"])
+    assert exc.value.code == 2

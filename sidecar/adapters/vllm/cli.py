@@ -57,7 +57,19 @@ def _serve(a: argparse.Namespace) -> int:
                                         adapter_timeout_s=a.adapter_timeout,
                                         recompute_tokens_per_s=a.recompute_budget,
                                         **tolerance.config_fields(a))}))
+    from sidecar.otel_push import check_arguments as check_otlp
+
+    try:
+        check_otlp(a)
+    except ValueError as exc:
+        print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
+        return 2
     sc = VllmSidecar(cfg).start()
+    push = None
+    if a.otlp_endpoint:
+        from sidecar.otel_push import start_otlp_push
+
+        push = start_otlp_push(sc.monitor, a.otlp_endpoint, a.otlp_interval, a.otlp_protocol)
     from sidecar.server import load_token
 
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
@@ -69,6 +81,8 @@ def _serve(a: argparse.Namespace) -> int:
         done.wait(a.duration if a.duration > 0 else None)
     sc.monitor.drain(10.0)
     summary = sc.summary()
+    if push is not None:
+        push.shutdown()  # the last metrics and spans go out
     server.stop()
     sc.stop()
     print(json.dumps(summary, indent=1, default=str), flush=True)
@@ -111,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between reads of vLLM's /metrics")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=9400)
+        from sidecar.otel_push import add_arguments as add_otlp_arguments
+
+        add_otlp_arguments(s)
         s.add_argument("--duration", type=float, default=0.0,
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)
