@@ -129,6 +129,10 @@ class Scrubber:
         m.gauge(S.SCRUB_BUDGET).set(settings.tokens_per_minute if settings.enabled else 0)
         if settings.enabled:
             m.gauge(S.SCRUB_LAST_PASS).set(self.started_at)
+            # Known from the start: nothing scrubbed yet (no series would read as "unknown").
+            m.gauge(S.SCRUB_PROGRESS).set(0.0)
+            m.gauge(S.SCRUB_COVERAGE).set(0.0)
+            m.gauge(S.SCRUB_RECOMPUTE_RATE).set(0.0)
 
     # ------------------------------------------------------------------ events
     def on_verdict(self, verdict: Verdict) -> None:

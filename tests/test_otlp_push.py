@@ -22,6 +22,11 @@ from sidecar.otel_push import (
 from tests.otlp_receiver import OtlpReceiver  # opentelemetry-proto: the dev/otlp extras
 
 
+# Every feature on (scrub, quarantine, breaker), so every family has something to say.
+ALL_ON = {"scrub": True, "scrub_every_s": 0.1, "scrub_jitter_s": 0.0, "scrub_idle_s": 0.0,
+          "quarantine": True, "breaker": True}
+
+
 def _otel_name(sig: S.Signal) -> str:
     return sig.base_name  # OTel counters carry no _total (the Prometheus bridge adds it)
 
@@ -30,7 +35,7 @@ def test_receiver_sees_every_metric_family_and_one_span_per_verification() -> No
     # premature-free: anomalies, drops, invariant violations; calibration: noise-floor gauges
     engine, mon = build(DemoOptions(fault="premature-free", sample_every=2, port=0,
                                     progress=False, num_blocks=64,
-                                    sidecar={"calibration_samples": 4}))
+                                    sidecar={"calibration_samples": 4, **ALL_ON}))
     verdicts = []
     with OtlpReceiver() as rx:
         push = start_otlp_push(mon, rx.url, interval_s=0.3)
@@ -166,7 +171,7 @@ def test_grpc_receiver_sees_the_same_signals_and_spans() -> None:
     from tests.otlp_receiver import OtlpGrpcReceiver
 
     engine, mon = build(DemoOptions(fault="zero-block", sample_every=2, port=0,
-                                    progress=False, num_blocks=64))
+                                    progress=False, num_blocks=64, sidecar=ALL_ON))
     verdicts = []
     with OtlpGrpcReceiver() as rx:
         push = start_otlp_push(mon, rx.url, interval_s=60, protocol="grpc")
