@@ -21,7 +21,6 @@ from sidecar.otel_push import (
 )
 from tests.otlp_receiver import OtlpReceiver  # opentelemetry-proto: the dev/otlp extras
 
-
 # Every feature on (scrub, quarantine, breaker), so every family has something to say.
 ALL_ON = {"scrub": True, "scrub_every_s": 0.1, "scrub_jitter_s": 0.0, "scrub_idle_s": 0.0,
           "quarantine": True, "breaker": True}
