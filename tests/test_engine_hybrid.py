@@ -204,20 +204,18 @@ def test_hybrid_blocks_equal_hf_kv_in_window_and_adapter_reads_null_as_is() -> N
 
 
 # ---------------------------------------------------------------------- sidecar attached
-class RequiredBlocksSampler:
-    """Every hit, every block the group must cover (what hcore's choose_blocks does once
-    merged): null blocks outside the window are not asked about."""
-
-    def __init__(self, engine: HybridEngine) -> None:
-        self.groups = engine.groups
+class EveryBlockSampler:
+    """Every hit, every full block of every group, null ones included (a careless sampler,
+    or another engine's probe choosing blocks itself)."""
 
     def should_sample(self, hit: Hit) -> bool:
         return True
 
     def choose(self, hit: Hit, block_size: int, max_blocks: int,
                groups: Any = ()) -> list[BlockRef]:
-        return [BlockRef(g.group_id, i, int(hit.blocks[g.group_id][i])) for g in self.groups
-                for i in required_blocks(g, hit.hit_tokens, block_size)]
+        n = hit.hit_tokens // block_size
+        return [BlockRef(g, i, int(ids[i])) for g, ids in sorted(hit.blocks.items())
+                for i in range(min(n, len(ids)))]
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
@@ -225,10 +223,12 @@ class RequiredBlocksSampler:
 
 def test_correct_hybrid_cache_with_evicted_window_positions_is_not_flagged() -> None:
     engine = engine_for("hybrid", track_truth=True)
+    # The production block choice (every block the groups must cover: blocks_per_sample
+    # large), not a test sampler: out-of-window positions are never asked about.
     monitor = Monitor(make_adapter(engine),  # type: ignore[arg-type]
                       SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
-                                    allocator_check_min_interval_s=-1),
-                      sampler=RequiredBlocksSampler(engine))
+                                    blocks_per_sample=10_000,
+                                    allocator_check_min_interval_s=-1))
     verdicts = []
     rec = Recorder(monitor)
     rec.engine = engine
@@ -241,6 +241,14 @@ def test_correct_hybrid_cache_with_evicted_window_positions_is_not_flagged() -> 
     assert {g for g, _ in verified} == {0, 1} and len(verified) > 200
     assert not [f for v in verdicts for f in v.findings]
     assert any(NULL_BLOCK in hit.blocks[1] for hit in rec.hits)
+    assert not [r for v in verdicts for r in v.verified
+                if r.group_id == 1 and r.block_id == NULL_BLOCK]
+    # A sampler that does ask about every position (null ones included) gets the same
+    # answer: the verifier never reads a null block as KV.
+    asked = Monitor(make_adapter(engine), SidecarConfig(  # type: ignore[arg-type]
+        sample_every=1, recompute_tokens_per_s=0, allocator_check_min_interval_s=-1),
+        sampler=EveryBlockSampler())
+    assert not [f for hit in rec.hits[-10:] for f in asked.verify(hit).findings]
 
 
 # ---------------------------------------------------------------------- faults
