@@ -62,7 +62,7 @@ import sys
 
 import sidecar
 
-GATED = ("sidecar.engines.reference", "sidecar.demo", "sidecar.bench",
+GATED = ("sidecar.engines.reference", "sidecar.demo", "sidecar.actions_demo", "sidecar.bench",
          "sidecar.adapters.reference", "sidecar.allocator.bench", "sidecar.adapters.vllm")
 EXTRA_MODULES = {"transformers", "zmq", "msgpack", "vllm"}
 runtime = gated = 0
