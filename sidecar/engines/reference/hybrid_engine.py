@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,14 +32,15 @@ from sidecar.engines.reference.faults import Fault, make_fault
 from sidecar.engines.reference.hybrid_model import CONV, FULL, SLIDING, HybridLM
 from sidecar.engines.reference.hybrid_tables import NULL_BLOCK, GroupTables
 from sidecar.engines.reference.hybrid_truth import HybridTruth
-from sidecar.engines.reference.pool import Allocation, BlockHash, BlockPool, KeyFields, chain_hash
-from sidecar.engines.reference.sequence import KEY_FIELD_NAMES, Request, Result, RunningSequence
+from sidecar.engines.reference.pool import Allocation, BlockHash, BlockPool, KeyFields
+from sidecar.engines.reference.scheduler import BatchScheduler
+from sidecar.engines.reference.sequence import Request, Result, RunningSequence
 from sidecar.protocol import CacheGroup, EventSink, GroupKind, Hit, Lookup, StoredBlock
 
 __all__ = ["NULL_BLOCK", "HybridEngine", "build_engine"]
 
 
-class HybridEngine(GroupTables):
+class HybridEngine(BatchScheduler, GroupTables):
     """Paged prefix-caching engine over a :class:`HybridLM` with per-group pools. The same
     public surface as :class:`~sidecar.engines.reference.engine.ReferenceEngine`
     (submit/step/run/serve, ``lock``, ``stats``, ``fault``, ``truth``)."""
@@ -102,21 +103,6 @@ class HybridEngine(GroupTables):
         self.group_stats: dict[str, Counter[str]] = {g.label: Counter() for g in self.groups}
 
     # ------------------------------------------------------------------ public API
-    def key_fields(self, request: Request) -> KeyFields:
-        fields = {"model_revision": self.config.model.revision, **request.key_fields}
-        return tuple((name, str(fields.get(name, ""))) for name in KEY_FIELD_NAMES)
-
-    def submit(self, request: Request) -> int:
-        index = self._next_index
-        self._next_index += 1
-        self._waiting.append((index, request, time.perf_counter()))
-        self.stats["submitted"] += 1
-        return index
-
-    @property
-    def idle(self) -> bool:
-        return not self._waiting and not self._running
-
     def live_block_tables(self, group_id: int = 0) -> dict[int, tuple[int, ...]]:
         with self.lock:
             return {s.seq_id: tuple(s.block_table[group_id]) for s in self._running}
@@ -127,66 +113,12 @@ class HybridEngine(GroupTables):
             filled = sum(s.num_computed for s in self._running)
         return allocated, filled
 
-    def step(self) -> list[Result]:
-        """A decode step for every running sequence, then admit waiting requests."""
-        done: list[Result] = []
-        for seq in list(self._running):
-            if len(seq.output) < seq.request.max_new_tokens:
-                self._decode(seq)
-            if len(seq.output) >= seq.request.max_new_tokens:
-                done.append(self._finish(seq))
-        while self._waiting and len(self._running) < self.config.max_running \
-                and not self._head_blocked:
-            index, request, submitted = self._waiting[0]
-            tokens, blocks = self._span(request)
-            if not request.tokens or request.max_new_tokens < 1 \
-                    or blocks > self.config.num_blocks - 1 \
-                    or tokens > self.config.model.max_positions:
-                self._waiting.popleft()
-                done.append(self._reject(index, request, submitted))
-                continue
-            admitted = self._admit(index, request, submitted)
-            if admitted is None:
-                if self._running:
-                    self._head_blocked = True
-                    break
-                self._waiting.popleft()
-                done.append(self._reject(index, request, submitted))
-                continue
-            self._waiting.popleft()
-            self._prefill(admitted)
-            if len(admitted.output) >= request.max_new_tokens:
-                done.append(self._finish(admitted))
-        return done
-
-    def run(self, requests: Iterable[Request]) -> list[Result]:
-        for r in requests:
-            self.submit(r)
-        results: list[Result] = []
-        while not self.idle:
-            results.extend(self.step())
-        return sorted(results, key=lambda r: r.request_index)
-
-    def serve(self, request: Request) -> Result:
-        if not self.idle:
-            raise RuntimeError("serve() needs an idle engine; use submit()/step() or run()")
-        return self.run([request])[0]
-
-    # ------------------------------------------------------------------ hashing
-    def _chain(self, seq_id: int, tokens: Sequence[int], key_fields: KeyFields,
-               num_blocks: int, hashes: list[BlockHash]) -> None:
-        bs = self.block_size
-        for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else None
-            custom = self.fault.block_hash(seq_id, parent, tokens[i * bs:(i + 1) * bs],
-                                           key_fields)
-            hashes.append(custom if custom is not None
-                          else chain_hash(parent, tokens[i * bs:(i + 1) * bs], key_fields))
-
-    # ------------------------------------------------------------------ lifecycle
-    def _span(self, request: Request) -> tuple[int, int]:
-        tokens = len(request.tokens) + request.max_new_tokens - 1
-        return tokens, -(-tokens // self.block_size)
+    def _admissible(self, request: Request) -> bool:
+        """Whether the request could ever run (an empty pool, less its null block)."""
+        tokens, blocks = self._span(request)
+        return (bool(request.tokens) and request.max_new_tokens >= 1
+                and blocks <= self.config.num_blocks - 1
+                and tokens <= self.config.model.max_positions)
 
     def _admit(self, index: int, request: Request,
                submitted: float) -> RunningSequence | None:
@@ -362,24 +294,6 @@ class HybridEngine(GroupTables):
         self._emit("on_request_done", latency)
         return Result(seq.seq_id, seq.request, tuple(seq.output), seq.prompt_len,
                       seq.hit_tokens, latency)
-
-    def _reject(self, index: int, request: Request, submitted: float) -> Result:
-        self.stats["rejected"] += 1
-        return Result(index, request, (), len(request.tokens), 0,
-                      time.perf_counter() - submitted, rejected=True)
-
-    def _emit(self, hook: str, *args: Any) -> None:
-        fn = getattr(self.sink, hook, None) if self.sink is not None else None
-        if fn is None:
-            return
-        try:
-            fn(*args)
-        except Exception:
-            self.sink_errors[hook] += 1
-
-    def hit_rate(self) -> float:
-        q = self.stats["query_tokens"]
-        return self.stats["hit_tokens"] / q if q else 0.0
 
 
 def build_engine(config: EngineConfig, sink: EventSink | None = None) -> Any:
