@@ -115,15 +115,8 @@ class ReferenceAdapter:
             return []
         for ref in refs:
             self._check(ref)
-        revision = hit.key_fields.get("model_revision", self._info.revision)
-        if revision != self._info.revision:
-            raise AdapterError(f"model revision {revision!r} is not loaded "
-                               f"(engine runs {self._info.revision!r})")
         bs = self._info.block_size
-        end = max(ref.token_range(bs)[1] for ref in refs)
-        if end > len(hit.tokens):
-            raise AdapterError(f"block ends at token {end} but the hit has "
-                               f"{len(hit.tokens)} tokens")
+        end = recompute_end(self._info, hit, refs)
         kv = self.engine.model.prefill(list(hit.tokens[:end]), hit.key_fields.get("adapter", ""))
         out: list[BlockKV] = []
         for ref in refs:
@@ -228,6 +221,21 @@ class ReferenceAdapter:
         stats = self.engine.stats
         waiting = stats["submitted"] - stats["admitted"] - stats["rejected"]
         return waiting >= self.engine.config.max_running
+
+
+
+def recompute_end(info: EngineInfo, hit: Hit, refs: Sequence[BlockRef]) -> int:
+    """The token a recompute of ``refs`` runs to (the last ref's block end), after checking
+    the hit can be recomputed here: the loaded model revision, tokens up to that end."""
+    revision = hit.key_fields.get("model_revision", info.revision)
+    if revision != info.revision:
+        raise AdapterError(f"model revision {revision!r} is not loaded "
+                           f"(engine runs {info.revision!r})")
+    end = max(ref.token_range(info.block_size)[1] for ref in refs)
+    if end > len(hit.tokens):
+        raise AdapterError(f"block ends at token {end} but the hit has "
+                           f"{len(hit.tokens)} tokens")
+    return end
 
 
 DEVICE_CAPTURE_SLOTS = 64  # blocks in flight between capture and verdict on a device pool

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sidecar.adapters.reference import recompute_end
 from sidecar.engines.reference.hybrid_engine import HybridEngine
 from sidecar.engines.reference.sequence import KEY_FIELD_NAMES
 from sidecar.protocol import (
@@ -87,15 +88,8 @@ class HybridReferenceAdapter:
             return []
         for ref in refs:
             self._check(ref)
-        revision = hit.key_fields.get("model_revision", self._info.revision)
-        if revision != self._info.revision:
-            raise AdapterError(f"model revision {revision!r} is not loaded "
-                               f"(engine runs {self._info.revision!r})")
         bs = self._info.block_size
-        end = max(ref.token_range(bs)[1] for ref in refs)
-        if end > len(hit.tokens):
-            raise AdapterError(f"block ends at token {end} but the hit has "
-                               f"{len(hit.tokens)} tokens")
+        end = recompute_end(self._info, hit, refs)
         boundaries = sorted({ref.token_range(bs)[1] for ref in refs
                              if self._recurrent(ref.group_id)})
         out = self.engine.model.forward(list(hit.tokens[:end]),
