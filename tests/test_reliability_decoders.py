@@ -223,3 +223,27 @@ def test_bench_ingest_reports_side_by_side_rates() -> None:
     assert out["hashes_verified"] == out["events"] == 2000
     assert out["ingest_events_per_s"] > 0 and out["msgpack_events_per_s"] > 0
     assert 0 < out["ingest_vs_msgpack"] < 10
+
+
+def test_peer_drop_counts_are_bounded_across_senders(tmp_path) -> None:
+    """Issue 21 break 8: each message was clamped, but two senders at 2**63-1 still added
+    2 x MAX_DROP_STEP, and every repeat of the same claim added another step."""
+    from sidecar.adapters.vllm.receiver import DROP_BURST, DropBudget
+
+    now = [0.0]
+    m = Metrics("vllm", "t")
+    rx = ProbeReceiver(f"ipc://{tmp_path}/p.sock", m, lambda _: None, lambda _: None)
+    rx.drop_budget = DropBudget(rate_per_s=1000, burst=DROP_BURST, clock=lambda: now[0])
+    for _ in range(5):
+        for src in ("sched", "worker"):
+            rx.handle(pack("lookups", src=src, dropped=2**63 - 1, items=[]))
+    counted = m.value(S.SAMPLES_DROPPED.name, reason="queue_full")
+    assert 0 < counted <= DROP_BURST, counted
+    assert rx.drops_refused >= 2 * (2**63 - 1) - DROP_BURST
+    now[0] += 10.0  # ten seconds later: at most rate x 10 more, from an honest new claim
+    rx.handle(pack("lookups", src="third", dropped=2**63 - 1, items=[]))
+    assert m.value(S.SAMPLES_DROPPED.name, reason="queue_full") <= counted + 10_000
+    rx.handle(pack("lookups", src="honest", dropped=3, items=[]))  # honest drops still count
+    now[0] += 1.0
+    rx.handle(pack("lookups", src="honest2", dropped=3, items=[]))
+    assert m.value(S.SAMPLES_DROPPED.name, reason="queue_full") >= counted + 3

@@ -8,9 +8,10 @@ into the result of the engine-side recompute that asked for them (:meth:`expect`
 The socket is an ingest surface, so it is locked down: only ``ipc://`` paths (created 0600,
 owner only, and only under :data:`IPC_DIRS` unless told otherwise) or ``tcp://127.0.0.1``
 are accepted. What a peer claims is clamped: the ``dropped`` count of a pipe may only grow
-by :data:`MAX_DROP_STEP` per message, at most :data:`MAX_SOURCES` pipes are tracked, and
-lookups per message are capped, so one message cannot add 9.2e18 to a counter or mint
-unbounded state.
+by :data:`MAX_DROP_STEP` per message, all pipes together by a :class:`DropBudget` (a token
+bucket: :data:`DROP_BURST`, refilled at :data:`DROP_RATE_PER_S`), at most
+:data:`MAX_SOURCES` pipes are tracked, and lookups per message are capped, so neither one
+message nor many senders can add 9.2e18 (or millions) to a counter or mint unbounded state.
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ log = logging.getLogger(__name__)
 MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
 MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
 MAX_LOOKUPS = 65_536  # lookups in one message (one engine step)
+# Drops all pipes together may report: far above what a probe can really drop (a message per
+# engine step, a few thousand steps a second), far below what a liar would claim.
+DROP_RATE_PER_S = 10_000
+DROP_BURST = 100_000
+
+
+class DropBudget:
+    """How many peer-reported drops may still be counted: a token bucket shared by every
+    sender, so N senders claiming 2**63-1 add at most ``burst + rate * elapsed`` in all."""
+
+    def __init__(self, rate_per_s: float = DROP_RATE_PER_S, burst: int = DROP_BURST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate_per_s
+        self.burst = burst
+        self.clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def take(self, wanted: int) -> int:
+        """Up to ``wanted`` drops that may be counted now (the rest are refused)."""
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        granted = min(wanted, int(self._tokens))
+        self._tokens -= granted
+        return granted
 
 
 class ProbeReceiver:
@@ -64,6 +91,9 @@ class ProbeReceiver:
         self.last_message_at = time.monotonic()
         self._ctx = context or zmq.Context.instance()
         self._dropped: dict[str, int] = {}
+        self.drop_budget = DropBudget()
+        self.drops_refused = 0  # claimed drops over the budget: not counted as samples
+        self._refusals = 0
         self._waiting: dict[str, Future[Capture]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -172,9 +202,17 @@ class ProbeReceiver:
                 return  # unknown extra pipe: its claims are not counted
             before = 0
         if dropped > before:
-            step = min(dropped - before, MAX_DROP_STEP)
-            self.metrics.inc(S.SAMPLES_DROPPED, step, reason=DropReason.QUEUE_FULL.value)
-            self._dropped[src] = before + step
+            claimed = dropped - before
+            step = self.drop_budget.take(min(claimed, MAX_DROP_STEP))
+            if step:
+                self.metrics.inc(S.SAMPLES_DROPPED, step, reason=DropReason.QUEUE_FULL.value)
+            if step < claimed:  # the excess is a lie or a burst no probe can produce
+                self.drops_refused += claimed - step
+                self._refusals += 1
+                if self._refusals & (self._refusals - 1) == 0:  # 1st, 2nd, 4th, ...: no flood
+                    log.warning("probe pipe %r claims %d drops; %d counted (over the budget)",
+                                src[:64], claimed, step)
+            self._dropped[src] = dropped  # the claim is the new baseline: never re-counted
         else:
             self._dropped[src] = before
 
