@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,15 +93,31 @@ class SidecarConfig:
         calibration_config(self).validate()
 
 
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages (a value may be 40 KB, or
+    an integer of 5,000 digits that ``repr`` refuses to print)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int too large to print
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) and abs(x) < 10**12 else f"{x:g}"
+
+
 @dataclass(frozen=True)
 class Limit:
-    """The values a setting allows beyond its type: a range and/or a set of choices."""
+    """The values a setting allows beyond its type: a range and/or a set of choices.
+    A number is always finite (``inf`` as a timeout or an interval blinds or crashes the
+    sidecar), and every numeric setting has both bounds (see :data:`LIMITS`)."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False  # ``> low`` instead of ``>= low``
     choices: tuple[Any, ...] | None = None
-    finite: bool = False
+    finite: bool = True
 
     def describe(self) -> str:
         """The allowed values, in the words an error message uses ("a number > 0")."""
@@ -108,10 +125,10 @@ class Limit:
             return "one of " + ", ".join(str(c) for c in self.choices)
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"<= {self.high:g}")
-        return " and ".join(parts) + (" (finite)" if self.finite else "")
+            parts.append(f"<= {_number(self.high)}")
+        return " and ".join(parts) or ("a finite number" if self.finite else "any number")
 
     def problem(self, value: Any) -> str | None:
         """``None`` when ``value`` is allowed, else "must be ..., got ..."."""
@@ -120,39 +137,78 @@ class Limit:
         elif isinstance(value, bool) or not isinstance(value, int | float):
             return None  # the type check reports it
         else:
-            ok = not math.isnan(value) and not (self.finite and math.isinf(value))
+            ok = not (isinstance(value, float) and (math.isnan(value) or (
+                self.finite and math.isinf(value))))
             if self.low is not None:
                 ok = ok and (value > self.low if self.low_open else value >= self.low)
             if self.high is not None:
                 ok = ok and value <= self.high
-        return None if ok else f"must be {self.describe()}, got {value!r}"
+        return None if ok else f"must be {self.describe()}, got {short(value)}"
 
 
-# The one table of ranges and choices for SidecarConfig fields (types come from the field
-# annotations). A field without an entry takes any value of its type.
+DAY_S = 86_400.0  # no duration or interval of the sidecar is sanely longer than a day
+SEED = Limit(low=-(2**63), high=2**63 - 1)
+PORT = Limit(low=0, high=65_535)
+# The one table of ranges and choices (types come from the field annotations / the flags'
+# argparse types): every SidecarConfig field by name, and the numeric flag keys of the
+# command sections by path ("demo.port"). Every numeric field has an entry with both bounds
+# (tests/test_config_limits.py); a numeric flag key without one gets FLAG_DEFAULT.
 LIMITS: dict[str, Limit] = {
-    "sample_every": Limit(low=1),
-    "blocks_per_sample": Limit(low=1),
-    "queue_size": Limit(low=1),
-    "adapter_timeout_s": Limit(low=0, low_open=True),
-    "store_records": Limit(low=1),
-    "evidence_capacity": Limit(low=1),
-    "latency_window": Limit(low=1),
+    "sample_every": Limit(low=1, high=10**9),
+    "blocks_per_sample": Limit(low=1, high=4096),
+    "queue_size": Limit(low=1, high=10**6),
+    "adapter_timeout_s": Limit(low=0, low_open=True, high=3600),
+    "recompute_tokens_per_s": Limit(low=-1e15, high=1e15),  # <= 0: unlimited
+    "store_records": Limit(low=1, high=10**8),
+    "evidence_capacity": Limit(low=1, high=10**6),
+    "latency_window": Limit(low=1, high=10**7),
+    "seed": SEED,
+    "allocator_check_min_interval_s": Limit(low=-DAY_S, high=DAY_S),
     "lifecycle_sample_rate": Limit(low=0, high=1),
-    "lifecycle_window": Limit(low=0),
-    "lifecycle_burst": Limit(low=0),
-    "leak_window": Limit(low=2),
-    "capture_max_bytes": Limit(low=0),
+    "lifecycle_window": Limit(low=0, high=10**7),
+    "lifecycle_burst": Limit(low=0, high=10**7),
+    "leak_window": Limit(low=2, high=10**6),
+    "capture_max_bytes": Limit(low=0, high=2**40),
     "dispatch": Limit(choices=MODES),
-    "calibration_samples": Limit(low=0),
-    "calibration_multiple": Limit(low=1, finite=True),
-    "scrub_every_s": Limit(low=0, low_open=True),
-    "scrub_jitter_s": Limit(low=0),
-    "scrub_blocks_per_tick": Limit(low=1),
-    "scrub_tokens_per_minute": Limit(low=0, low_open=True),
-    "scrub_idle_s": Limit(low=0),
-    "scrub_max_pending": Limit(low=0),
-    "breaker_anomalies": Limit(low=1),
-    "breaker_window_s": Limit(low=0, low_open=True),
-    "breaker_probes": Limit(low=1),
+    "allocator_every_s": Limit(low=-DAY_S, high=DAY_S),  # <= 0: no scheduled polls
+    "calibration_samples": Limit(low=0, high=10**7),
+    "calibration_multiple": Limit(low=1, high=1e6),
+    "scrub_every_s": Limit(low=0, low_open=True, high=DAY_S),
+    "scrub_jitter_s": Limit(low=0, high=DAY_S),
+    "scrub_blocks_per_tick": Limit(low=1, high=10**6),
+    "scrub_tokens_per_minute": Limit(low=0, low_open=True, high=1e15),
+    "scrub_idle_s": Limit(low=0, high=DAY_S),
+    "scrub_max_pending": Limit(low=0, high=10**7),
+    "scrub_seed": SEED,
+    "breaker_anomalies": Limit(low=1, high=10**6),
+    "breaker_window_s": Limit(low=0, low_open=True, high=DAY_S),
+    "breaker_probes": Limit(low=1, high=10**6),
+    "max_concurrent_recomputes": Limit(low=-(2**31), high=2**31),  # <= 0: no cap
+    "max_concurrent_recoveries": Limit(low=-(2**31), high=2**31),
+    # numeric flag keys of the command sections
+    "demo.requests": Limit(low=0, high=10**7),
+    "demo.seed": SEED,
+    "demo.port": PORT,
+    "demo.hold": Limit(low=0, high=DAY_S),
+    "demo.pace": Limit(low=0, high=3600),
+    "demo.otlp_interval": Limit(low=0, low_open=True, high=DAY_S),
+    "vllm.block_size": Limit(low=1, high=4096),
+    "vllm.poll_every": Limit(low=-DAY_S, high=DAY_S),
+    "vllm.port": PORT,
+    "vllm.otlp_interval": Limit(low=0, low_open=True, high=DAY_S),
+    "vllm.duration": Limit(low=0, high=DAY_S),
+    "canary.block_size": Limit(low=1, high=4096),
+    "canary.pairs": Limit(low=0, high=10**9),
+    "canary.max_tokens": Limit(low=1, high=4096),
+    "canary.logprobs": Limit(low=1, high=1000),
+    "canary.calibration": Limit(low=1, high=10**6),
+    "canary.fraction": Limit(low=0, high=1),
+    "canary.min_rate": Limit(low=0, high=1e6),
+    "canary.max_rate": Limit(low=0, high=1e6),
+    "canary.timeout": Limit(low=0, low_open=True, high=DAY_S),
+    "canary.seed": SEED,
+    "canary.port": PORT,
+    "canary.replay_port": PORT,
+    "canary.replay_every": Limit(low=1, high=10**9),
 }
+FLAG_DEFAULT = Limit(low=-1e15, high=1e15)  # a numeric flag key the table does not name

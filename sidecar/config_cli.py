@@ -97,6 +97,9 @@ def configure(section: str, subcommand: str, parser: argparse.ArgumentParser,
         if action.dest in explicit:
             value = Value(key, sidecar_value(current), "flag",
                           max(action.option_strings, key=len))
+            problem = key.check(value.value)  # the same limits table as file and env
+            if problem:
+                problems.append(f"{value.origin} ({key.path}): {problem}")
         else:
             value = layers.value(key, sidecar_value(current))
             setattr(args, action.dest, flag_value(action, value.value))

@@ -13,13 +13,14 @@ Two kinds, both derived generically so that settings added elsewhere need no cod
 from __future__ import annotations
 
 import argparse
-import tomllib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sidecar.config import Limit
+from sidecar.config import FLAG_DEFAULT, Limit, short
+from sidecar.config_file import FileProblem, parse_toml
 
 ENV_PREFIX = "KVSIDECAR_"
 SIDECAR = "sidecar"  # the section of SidecarConfig's fields
@@ -46,7 +47,7 @@ def parse_bool(text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"expected true or false, got {text!r}")
+    raise ValueError(f"expected true or false, got {short(text)}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class Key:
         """The value an environment variable or ``--set`` gave, parsed and checked."""
         raise NotImplementedError
 
+    def check(self, value: Any) -> str | None:
+        """What the limits table says of an already parsed value (a flag given on the
+        command line): ``None`` when it is allowed."""
+        return None
+
 
 @dataclass(frozen=True)
 class FieldKey(Key):
@@ -104,6 +110,9 @@ class FieldKey(Key):
     def from_text(self, text: str) -> Any:
         return self.from_toml(_from_text(text, self.hint))
 
+    def check(self, value: Any) -> str | None:
+        return self.limit.problem(value) if self.limit else None
+
 
 @dataclass(frozen=True)
 class FlagKey(Key):
@@ -111,6 +120,7 @@ class FlagKey(Key):
 
     flag: str = ""
     action: argparse.Action | None = field(default=None, compare=False, hash=False)
+    limit: Limit | None = None  # sidecar.config.LIMITS[path], else FLAG_DEFAULT for numbers
 
     @property
     def kind(self) -> str:
@@ -165,7 +175,7 @@ class FlagKey(Key):
                 or (isinstance(result, float) and type(value) is int))
         if not same:
             raise ValueError(f"expected {type_name(result)}, got {type_name(value)} "
-                             f"{value!r}")
+                             f"{short(value)}")
         return result
 
     def _parse(self, text: str) -> Any:
@@ -173,14 +183,33 @@ class FlagKey(Key):
         parse = a.type if a is not None and callable(a.type) else str
         try:
             result = parse(text)
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        except (ValueError, TypeError, OverflowError, argparse.ArgumentTypeError) as exc:
             message = str(exc)
             if isinstance(exc, ValueError) and parse in (int, float):
-                message = f"expected {type_name(parse)}, got {text!r}"
+                message = f"expected {type_name(parse)}, got {short(text)}"
             raise ValueError(message) from None
         if a is not None and a.choices and result not in a.choices:
-            raise ValueError(f"must be one of {', '.join(map(str, a.choices))}, got {result!r}")
+            raise ValueError(f"must be one of {', '.join(map(str, a.choices))}, "
+                             f"got {short(result)}")
+        problem = self.problem(result)
+        if problem:
+            raise ValueError(problem)
         return result
+
+    def check(self, value: Any) -> str | None:
+        for item in value if isinstance(value, list) else [value]:
+            problem = self.problem(item)
+            if problem:
+                return problem
+        return None
+
+    def problem(self, value: Any) -> str | None:
+        """What the limits table says of one parsed numeric value (``None``: fine)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {short(value)}"
+        return (self.limit or FLAG_DEFAULT).problem(value)
 
 
 def _hint_name(hint: Any) -> str:
@@ -203,7 +232,7 @@ def _check(value: Any, hint: Any) -> Any:
         return value
     if origin is Literal:
         if value not in args:
-            raise ValueError(f"must be one of {', '.join(map(str, args))}, got {value!r}")
+            raise ValueError(f"must be one of {', '.join(map(str, args))}, got {short(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -213,23 +242,23 @@ def _check(value: Any, hint: Any) -> Any:
                 return _check(value, member)
             except ValueError:
                 continue
-        raise ValueError(f"expected {_hint_name(hint)}, got {type_name(value)} {value!r}")
+        raise ValueError(f"expected {_hint_name(hint)}, got {type_name(value)} {short(value)}")
     if origin is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"expected a table, got {type_name(value)} {value!r}")
+            raise ValueError(f"expected a table, got {type_name(value)} {short(value)}")
         kt, vt = args or (Any, Any)
         return {_check(k, kt): _check(v, vt) for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise ValueError(f"expected a list, got {type_name(value)} {value!r}")
+            raise ValueError(f"expected a list, got {type_name(value)} {short(value)}")
         items = [_check(v, args[0] if args else Any) for v in value]
         return tuple(items) if origin is tuple else items
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float) and isinstance(value, bool):
-        raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {value!r}")
+        raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
     if isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {value!r}")
+        raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
     return value
 
 
@@ -248,13 +277,13 @@ def _from_text(text: str, hint: Any) -> Any:
         try:
             return hint(text.strip())
         except ValueError:
-            raise ValueError(f"expected {type_name(hint)}, got {text!r}") from None
+            raise ValueError(f"expected {type_name(hint)}, got {short(text)}") from None
     if origin in (dict, list, tuple) or hint is Any:
         try:  # a TOML value: {float32 = 1e-3}, [1, 2], 3
-            return tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
+            return parse_toml(f"v = {text}", "value")["v"]
+        except FileProblem:
             if hint is Any:
                 return text
             raise ValueError(f"expected {_hint_name(hint)} in TOML syntax (e.g. "
-                             f"{{float32 = 1e-3}}), got {text!r}") from None
+                             f"{{float32 = 1e-3}}), got {short(text)}") from None
     return text

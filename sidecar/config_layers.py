@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import difflib
 import logging
-import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.config_file import FileProblem, read_toml
 from sidecar.config_keys import ENV_PREFIX, Key, explain
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,20 @@ class ConfigError(Exception):
     """Bad configuration: one line per problem, each naming its key (CLI exit code 2)."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
+        self.problems = [one_line(p) for p in problems]
         super().__init__("\n".join(problems))
+
+
+MAX_PROBLEM_CHARS = 400
+
+
+def one_line(problem: str) -> str:
+    """``problem`` as one printable line of bounded length (a value quoted in it may hold
+    newlines, control characters or 40 KB)."""
+    flat = "".join(c if c.isprintable() else " " for c in problem)
+    if len(flat) > MAX_PROBLEM_CHARS:
+        flat = flat[:MAX_PROBLEM_CHARS] + f"... ({len(flat)} characters)"
+    return flat
 
 
 @dataclass(frozen=True)
@@ -111,14 +123,9 @@ def read_file(schema: Schema, path: str | Path) -> tuple[dict[str, Value], list[
     """The values a TOML file sets, and the problems in it."""
     name = str(path)
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        return {}, [f"config file {name} does not exist"]
-    except OSError as exc:
-        return {}, [f"config file {name}: {exc.strerror or exc}"]
-    except tomllib.TOMLDecodeError as exc:
-        return {}, [f"config file {name} is not valid TOML: {exc}"]
+        data = read_toml(path)  # a regular UTF-8 file, size-capped, hostile TOML refused
+    except FileProblem as exc:
+        return {}, [str(exc)]
     values: dict[str, Value] = {}
     problems: list[str] = []
     for section, table in data.items():

@@ -124,7 +124,8 @@ def command_keys(command: Command) -> dict[str, Key]:
                 continue
             flag = max(action.option_strings, key=len)
             keys[action.dest] = FlagKey(command.section, action.dest, action.default,
-                                        flag=flag, action=action)
+                                        flag=flag, action=action,
+                                        limit=LIMITS.get(f"{command.section}.{action.dest}"))
     return keys
 
 

@@ -2,15 +2,21 @@
 
 A ``ThreadingHTTPServer`` on a daemon thread, bound to 127.0.0.1 unless told otherwise: the
 sidecar is scraped by a local Prometheus or a pod-local agent, not exposed to the world.
-Hardened so scrapers cannot hurt it or the engine beside it: a listen backlog of
-:data:`BACKLOG` (200 concurrent scrapers no longer wait for SYN retries), a per-connection
-socket timeout (an idle or slow-loris connection is closed, it does not hold a thread for
-ever; until it sends a byte it holds no thread at all, see :class:`_Reception`), at most
-:data:`MAX_HANDLERS` handler threads (a connection that finds none free waits for one up
-to its timeout, then gets a 503).
+Hardened so clients cannot hurt it or the engine beside it (issue 12, issue 21):
+
+* every request is read whole (request line, headers, body) by one reception thread
+  (:mod:`sidecar.http_reception`) within one deadline, ``timeout_s``, for the whole request,
+  not per byte: a slow-loris client holds a buffer, never a handler thread;
+* ``/healthz`` is answered on that thread, so it answers while every handler is busy;
+* at most :data:`MAX_HANDLERS` handler threads (half of them per peer address), at most
+  :data:`MAX_WAITING` connections held in all and :data:`MAX_PER_PEER` per peer; a response
+  must be taken within its own deadline; one request per connection;
+* ``/metrics`` is generated at most once a second however many scrape, concurrent scrapes
+  sharing one generation (:mod:`sidecar.exposition`): scrape cost stays off the engine.
+
 ``/status`` never emits NaN (non-finite numbers become ``null``) and never answers 500 for
 bad state. Opt-in auth: with a bearer token (:func:`load_token`: a file or an environment
-variable) the control surface (``/status``, any future control endpoint) needs
+variable) the control surface (``/status``, any future control endpoint) needs exactly one
 ``Authorization: Bearer <token>``; ``/metrics`` and ``/healthz`` stay open for probes.
 """
 
@@ -18,41 +24,57 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import json
 import logging
 import math
 import os
-import selectors
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+
+from sidecar.exposition import DEFAULT_TTL_S, CachedExposition
+from sidecar.http_reception import Connection, Reception, response
 
 log = logging.getLogger(__name__)
 
 BACKLOG = 256
 MAX_HANDLERS = 64
-MAX_WAITING = 4096  # accepted connections held (idle) without a thread
-CONNECTION_TIMEOUT_S = 5.0
+MAX_WAITING = 1024  # connections held (their request not yet whole, or waiting for a slot)
+MAX_PER_PEER = 256  # of those, from one peer address
+CONNECTION_TIMEOUT_S = 5.0  # for a whole request, and for a whole response
 TOKEN_ENV = "KVSIDECAR_TOKEN"
 PROTECTED = frozenset({"/status"})
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\nConnection: close\r\n"
-         b"Retry-After: 1\r\n\r\nbusy\n")
 
 
-def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV) -> str | None:
+def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV,
+               environ: Mapping[str, str] | None = None) -> str | None:
     """The bearer token from ``path`` (first line) or the ``env`` variable; ``None`` (no
-    auth) when neither is set. An empty token is refused: it would let anyone in."""
-    token = Path(path).read_text().strip() if path else os.environ.get(env, "").strip()
-    if path and not token:
-        raise ValueError(f"token file {path} is empty")
-    return token or None
+    auth) when neither is set. A set but empty or whitespace-only token is refused
+    (``ValueError``, one line): taken as "no token" it would silently turn auth off. The
+    file must be a small regular UTF-8 file (:func:`sidecar.config_file.read_small_text`)."""
+    from sidecar.config_file import MAX_TOKEN_BYTES, read_small_text
+
+    environ = os.environ if environ is None else environ
+    if path:
+        lines = read_small_text(path, "token file", MAX_TOKEN_BYTES).splitlines()
+        token = lines[0].strip() if lines else ""
+        where = f"token file {path}"
+    elif env in environ:
+        token, where = environ[env].strip(), f"${env}"
+    else:
+        return None
+    if not token:
+        raise ValueError(f"{where} is empty or whitespace: refusing to run without auth "
+                         f"by accident (unset it to turn auth off)")
+    if not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"{where} holds whitespace or control characters inside the token")
+    return token
 
 
 def finite(obj: Any, depth: int = 0) -> Any:
@@ -68,127 +90,70 @@ def finite(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-class _Reception(threading.Thread):
-    """Holds accepted connections until they send something, so an idle (or slow-loris)
-    connection costs a file descriptor, not a handler thread. A readable connection waits
-    here for a free handler slot; one idle past ``idle_s`` is closed, one still waiting
-    for a slot at its deadline gets a 503. At most ``max_waiting`` are held."""
+class _DeadlineWriter(io.RawIOBase):
+    """The handler's ``wfile``: the whole response must be taken by the client before
+    ``deadline`` (a slow reader cannot hold a handler thread for ever, one byte at a
+    time)."""
 
-    def __init__(self, server: _BoundedServer, idle_s: float, max_waiting: int) -> None:
-        super().__init__(name="kvsidecar-http-reception", daemon=True)
-        self.server = server
-        self.idle_s = idle_s
-        self.max_waiting = max_waiting
-        self.sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_w.setblocking(False)
-        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._new: deque[tuple[Any, Any]] = deque()
-        self._idle: dict[Any, tuple[Any, float]] = {}  # sock -> (address, deadline)
-        self._ready: deque[tuple[Any, Any, float]] = deque()
-        self._halt = threading.Event()
-        self.idle_closed = 0
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
 
-    def add(self, sock: Any, address: Any) -> None:
-        self._new.append((sock, address))
-        self.wake()
+    def writable(self) -> bool:
+        return True
 
-    def wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.wake()
-
-    def run(self) -> None:
-        try:
-            while not self._halt.is_set():
-                self._step(0.05 if self._ready else 0.5)
-        finally:
-            for sock in [*self._idle, *(r[0] for r in self._ready),
-                         *(n[0] for n in self._new)]:
-                self.server.shutdown_request(sock)
-            self.sel.close()
-            self._wake_r.close()
-            self._wake_w.close()
-
-    def _step(self, timeout: float) -> None:
-        for key, _ in self.sel.select(timeout):
-            if key.data is None:
-                with contextlib.suppress(OSError):
-                    self._wake_r.recv(4096)
-                continue
-            sock = key.fileobj
-            self.sel.unregister(sock)
-            address, deadline = self._idle.pop(sock)
-            self._ready.append((sock, address, deadline))
-        now = time.monotonic()
-        while self._new:
-            sock, address = self._new.popleft()
-            if len(self._idle) >= self.max_waiting:
-                self.server.refuse(sock)
-                continue
-            self._idle[sock] = (address, now + self.idle_s)
-            self.sel.register(sock, selectors.EVENT_READ, True)
-        while self._ready:  # oldest first, while handler slots are free
-            sock, address, deadline = self._ready[0]
-            if self.server.dispatch(sock, address):
-                self._ready.popleft()
-            elif deadline < now:
-                self._ready.popleft()
-                self.server.refuse(sock)
-            else:
-                break
-        for sock, (_address, deadline) in list(self._idle.items()):
-            if deadline < now:
-                self.sel.unregister(sock)
-                del self._idle[sock]
-                self.idle_closed += 1
-                self.server.shutdown_request(sock)
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        sent = 0
+        while sent < len(view):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("response not taken before the deadline")
+            self.sock.settimeout(left)
+            sent += self.sock.send(view[sent:])
+        return sent
 
 
 class _BoundedServer(ThreadingHTTPServer):
+    """Accepts on ``serve_forever``'s thread, reads whole requests on the reception thread
+    (:mod:`sidecar.http_reception`), and handles complete requests on at most
+    ``max_handlers`` threads."""
+
     request_queue_size = BACKLOG
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_handlers: int, idle_s: float, max_waiting: int = MAX_WAITING) -> None:
+                 max_handlers: int, deadline_s: float, healthz: Callable[[], bytes],
+                 max_held: int = MAX_WAITING, max_per_peer: int = MAX_PER_PEER,
+                 max_per_peer_handlers: int | None = None) -> None:
         self._slots = threading.BoundedSemaphore(max_handlers)
-        self.rejected = 0
+        self.deadline_s = deadline_s
         super().__init__(address, handler)
-        self.reception = _Reception(self, idle_s, max_waiting)
+        per_peer = max_per_peer_handlers or max(1, max_handlers // 2)
+        self.reception = Reception(self.dispatch, healthz, self.shutdown_request, deadline_s,
+                                   max_held, max_per_peer, per_peer)
         self.reception.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        self.reception.add(request, client_address)  # no thread until it sends something
+        self.reception.add(request, client_address)  # no thread until it is whole
 
-    def dispatch(self, request: Any, client_address: Any) -> bool:
-        """Start a handler thread for a connection that has data; False when none is free."""
+    def dispatch(self, conn: Connection) -> bool:
+        """Start a handler thread for a complete request; False when none is free."""
         if not self._slots.acquire(blocking=False):
             return False
         try:
-            ThreadingHTTPServer.process_request(self, request, client_address)
+            ThreadingHTTPServer.process_request(self, conn, conn.address)  # type: ignore[arg-type]
         except BaseException:
             self._slots.release()
-            self.shutdown_request(request)
+            self.shutdown_request(conn.sock)
+            self.reception.handler_done(conn)
         return True
-
-    def refuse(self, request: Any) -> None:
-        self.rejected += 1
-        try:
-            request.settimeout(0.5)
-            request.sendall(_BUSY)
-        except OSError:
-            pass
-        self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
-            self.reception.wake()  # a waiting connection may take the slot
+            self.reception.handler_done(request)  # a waiting request may take the slot
 
     def server_close(self) -> None:
         self.reception.stop()
@@ -197,18 +162,26 @@ class _BoundedServer(ThreadingHTTPServer):
 
 
 class SidecarServer:
+    """``/metrics``, ``/healthz`` and ``/status`` on ``host:port`` (see the module docstring).
+    ``timeout_s`` is the deadline for a whole request (head and body) and, separately, for
+    the whole response; ``scrape_ttl_s`` how long one ``/metrics`` body is served."""
+
     def __init__(self, registry: CollectorRegistry, status: Callable[[], dict[str, Any]],
                  host: str = "127.0.0.1", port: int = 0,
                  health: Callable[[], dict[str, Any]] | None = None,
                  token: str | None = None, timeout_s: float = CONNECTION_TIMEOUT_S,
-                 max_handlers: int = MAX_HANDLERS) -> None:
+                 max_handlers: int = MAX_HANDLERS, max_per_peer: int = MAX_PER_PEER,
+                 max_connections: int = MAX_WAITING,
+                 scrape_ttl_s: float = DEFAULT_TTL_S) -> None:
         self.registry = registry
         self.status = status
         self.health = health
         self.token = token
         self.unauthorized = 0
+        self.exposition = CachedExposition(registry, scrape_ttl_s)
         handler = self._handler(timeout_s)
-        self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s)
+        self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s,
+                                    self._healthz_response, max_connections, max_per_peer)
         self._thread: threading.Thread | None = None
 
     @property
@@ -224,12 +197,12 @@ class SidecarServer:
 
     @property
     def rejected(self) -> int:
-        """Connections answered 503 because every handler thread was busy."""
-        return int(getattr(self.httpd, "rejected", 0))
+        """Complete requests answered 503 because no handler slot freed in time."""
+        return self.httpd.reception.rejected
 
     @property
     def idle_closed(self) -> int:
-        """Connections closed because they sent nothing within the timeout."""
+        """Connections closed because their request was not complete by the deadline."""
         return self.httpd.reception.idle_closed
 
     def start(self) -> SidecarServer:
@@ -242,22 +215,40 @@ class SidecarServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def authorized(self, header: str | None) -> bool:
+    def authorized(self, headers: list[str]) -> bool:
+        """Exactly one ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC
+        6750) with the token compared in constant time; a bare token, another scheme, two
+        headers or trailing junk are refused."""
         if self.token is None:
             return True
-        given = (header or "").removeprefix("Bearer ").strip().encode()
-        return hmac.compare_digest(given, self.token.encode())
+        if len(headers) != 1:
+            return False
+        scheme, _, given = headers[0].strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        try:
+            given_bytes = given.strip(" ").encode("ascii")
+        except UnicodeEncodeError:
+            return False
+        return hmac.compare_digest(given_bytes, self.token.encode())
 
     def _health(self) -> tuple[int, bytes]:
         if self.health is None:
             return 200, b"ok\n"
         try:
             report = self.health()
+            ok = bool(report.get("ok"))
+            body = ("ok\n" if ok else "unhealthy\n") + json.dumps(finite(report),
+                                                               sort_keys=True, default=str)
         except Exception as exc:
-            report = {"ok": False, "error": type(exc).__name__}
-        ok = bool(report.get("ok"))
-        body = ("ok\n" if ok else "unhealthy\n") + json.dumps(finite(report), sort_keys=True)
+            ok, body = False, "unhealthy\n" + json.dumps({"ok": False,
+                                                         "error": type(exc).__name__})
         return (200 if ok else 503), body.encode() + b"\n"
+
+    def _healthz_response(self) -> bytes:
+        """The whole ``/healthz`` response, built on the reception thread."""
+        code, body = self._health()
+        return response(code, "OK" if code == 200 else "Service Unavailable", body)
 
     def _status(self) -> bytes:
         return json.dumps(finite(self.status()), indent=1, default=str,
@@ -267,20 +258,34 @@ class SidecarServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = timeout_s  # per connection: idle keep-alives are closed
+            """Handles one complete request, already read (``self.request`` is a
+            :class:`~sidecar.http_reception.Connection`); one request per connection."""
+
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                conn: Connection = self.request
+                self.connection = conn.sock
+                conn.sock.setblocking(True)
+                self.rfile = io.BytesIO(bytes(conn.data))
+                self.wfile = io.BufferedWriter(
+                    _DeadlineWriter(conn.sock, time.monotonic() + timeout_s))
+
+            def finish(self) -> None:
+                with contextlib.suppress(OSError):
+                    self.wfile.flush()
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 try:
                     if path in PROTECTED and not server.authorized(
-                            self.headers.get("Authorization")):
+                            self.headers.get_all("Authorization") or []):
                         server.unauthorized += 1
                         self._send(401, "text/plain; charset=utf-8", b"unauthorized\n",
                                    {"WWW-Authenticate": 'Bearer realm="kv-sidecar"'})
                     elif path == "/metrics":
-                        self._send(200, CONTENT_TYPE_LATEST, generate_latest(server.registry))
-                    elif path == "/healthz":
+                        self._send(200, CONTENT_TYPE_LATEST, server.exposition.get())
+                    elif path == "/healthz":  # normally answered by the reception
                         code, body = server._health()
                         self._send(code, "text/plain; charset=utf-8", body)
                     elif path == "/status":
@@ -300,6 +305,7 @@ class SidecarServer:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("Connection", "close")
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()

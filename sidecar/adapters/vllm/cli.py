@@ -58,9 +58,11 @@ def _serve(a: argparse.Namespace) -> int:
                                         recompute_tokens_per_s=a.recompute_budget,
                                         **tolerance.config_fields(a))}))
     from sidecar.otel_push import check_arguments as check_otlp
+    from sidecar.server import load_token
 
     try:
         check_otlp(a)
+        token = load_token()  # before anything starts: an empty token is an error
     except ValueError as exc:
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
@@ -70,10 +72,8 @@ def _serve(a: argparse.Namespace) -> int:
         from sidecar.otel_push import start_otlp_push
 
         push = start_otlp_push(sc.monitor, a.otlp_endpoint, a.otlp_interval, a.otlp_protocol)
-    from sidecar.server import load_token
-
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
-                           health=sc.health, token=load_token()).start()
+                           health=sc.health, token=token).start()
     print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
