@@ -47,8 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar import safetensors_io
-from sidecar.evidence_files import (MAX_RECORD_BYTES, MAX_TENSOR_FILE_BYTES,
-                                    prepare_directory, read_regular, write_exclusive)
+from sidecar.evidence_files import (
+    MAX_RECORD_BYTES,
+    MAX_TENSOR_FILE_BYTES,
+    prepare_directory,
+    read_regular,
+    write_exclusive,
+)
 
 if TYPE_CHECKING:
     import torch
