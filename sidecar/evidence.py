@@ -21,6 +21,9 @@ hostile input can no longer do:
   at most ``max_tensor_bytes`` (else skipped, saying so); every string, list and map in a
   record is capped (:data:`MAX_FIELD_CHARS`, :data:`MAX_ITEMS`), so one 5 MB key field
   cannot make every record 5 MB;
+* be redirected: the directory is created 0700 by the sidecar, or refused when it is
+  world-writable or another user's; temp files are created ``O_EXCL|O_NOFOLLOW``
+  (:mod:`sidecar.evidence_files`), so a planted link is never written through;
 * leak user data: files are 0600, token ids are stored as a digest unless
   ``include_tokens`` is set, and key fields that are secrets (a cache salt, a token) are
   stored as an unsalted SHA-256 prefix, enough to tell two values apart, not to read one.
@@ -44,6 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar import safetensors_io
+from sidecar.evidence_files import (
+    MAX_RECORD_BYTES,
+    MAX_TENSOR_FILE_BYTES,
+    prepare_directory,
+    read_regular,
+    write_exclusive,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +132,7 @@ class EvidenceLog:
         self.recovered = 0  # complete .tmp records renamed on start
         self.discarded = 0  # partial .tmp leftovers deleted on start
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            prepare_directory(self.directory)  # or EvidenceDirRefused: exit 2 at start
             self._scan()
 
     # ------------------------------------------------------------------ start-up
@@ -144,8 +154,8 @@ class EvidenceLog:
             if m is not None:
                 seq = int(m.group(1))
                 tensors = self.directory / tensors_name(seq)
-                self._files[seq] = entry.stat().st_size + (
-                    tensors.stat().st_size if tensors.exists() else 0)
+                self._files[seq] = entry.stat(follow_symlinks=False).st_size + (
+                    tensors.lstat().st_size if tensors.exists() else 0)
         self._seq = max(self._files, default=0)
         self._prune()
         _fsync_dir(self.directory)
@@ -155,9 +165,9 @@ class EvidenceLog:
         tensors = tmp.with_name(tensors_name(seq))
         tensors_tmp = tensors.with_name(tensors.name + ".tmp")
         try:
-            rec = json.loads(tmp.read_bytes())
+            rec = json.loads(read_regular(tmp, MAX_RECORD_BYTES))
             complete = isinstance(rec, dict) and rec.get("seq") == seq
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             complete = False
         try:
             if complete and not final.exists() and self._tensors_ready(rec, tensors,
@@ -180,7 +190,7 @@ class EvidenceLog:
             return True
         for candidate in (tensors, tensors_tmp):
             try:
-                data = candidate.read_bytes()
+                data = read_regular(candidate, MAX_TENSOR_FILE_BYTES)
             except OSError:
                 continue
             if len(data) == want.get("bytes") and \
@@ -332,14 +342,7 @@ def _block_tokens(verdict: Verdict) -> int | None:
 
 
 def _write_synced(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_exclusive(path, data)  # O_EXCL|O_NOFOLLOW: never through a planted link
 
 
 def _fsync_dir(directory: Path) -> None:

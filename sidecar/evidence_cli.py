@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -21,10 +22,11 @@ from typing import Any
 import torch
 
 from sidecar.evidence import record_name, tensors_name
+from sidecar.evidence_files import MAX_TENSOR_FILE_BYTES, read_regular
+from sidecar.evidence_read import RecordUnreadable, Unreadable, read_record, scan_records
 from sidecar.safetensors_io import SafetensorsError, loads
 
 ENV_DIR = "KVSIDECAR_EVIDENCE_DIR"
-_NAME = re.compile(r"^anomaly-(\d{8,})\.json$")
 
 
 class EvidenceError(Exception):
@@ -53,11 +55,12 @@ def add_parser(sub: Any) -> None:
 def run_evidence(args: argparse.Namespace) -> int:
     directory = _directory(args.dir)
     if args.evidence_command == "list":
-        records = list_records(directory)
+        records, unreadable = scan_records(directory)
         if args.json:
-            print(json.dumps([summary_line(r) for r in records], indent=1))
+            rows = [summary_line(r) for r in records] + [u.as_dict() for u in unreadable]
+            print(json.dumps(sorted(rows, key=lambda r: r["id"]), indent=1))
         else:
-            print(format_list(records))
+            print(format_list(records, unreadable))
         return 0
     seq = _parse_id(args.id)
     rec, tensors = load_record(directory, seq)
@@ -83,18 +86,9 @@ def run_evidence(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ reading
 def list_records(directory: Path) -> list[dict[str, Any]]:
-    """Every complete record in ``directory``, oldest first (unreadable files skipped)."""
-    out = []
-    for name in sorted(os.listdir(directory)):
-        if _NAME.match(name) is None:
-            continue
-        try:
-            rec = json.loads((directory / name).read_text())
-        except (OSError, ValueError):
-            continue  # removed by the writer's retention meanwhile, or not ours
-        if isinstance(rec, dict) and isinstance(rec.get("seq"), int):
-            out.append(rec)
-    return out
+    """Every readable record in ``directory``, oldest first (see :func:`scan_records` for
+    the unreadable ones and their reasons)."""
+    return scan_records(directory)[0]
 
 
 def load_record(directory: Path, seq: int) -> tuple[dict[str, Any],
@@ -103,23 +97,27 @@ def load_record(directory: Path, seq: int) -> tuple[dict[str, Any],
     SHA-256 the record states."""
     path = directory / record_name(seq)
     try:
-        rec = json.loads(path.read_text())
+        rec = read_record(path, seq)
     except FileNotFoundError:
         have = [r["seq"] for r in list_records(directory)]
         span = f"records {have[0]}..{have[-1]}" if have else "no records"
         raise EvidenceError(f"no evidence record {seq} in {directory} ({span})") from None
-    except (OSError, ValueError) as exc:
+    except RecordUnreadable as exc:
         raise EvidenceError(f"{path}: not a readable record: {exc}") from None
     spec = rec.get("tensors")
     if not isinstance(spec, dict) or "file" not in spec:
         return rec, None
     tpath = directory / tensors_name(seq)
+    want = int(spec["bytes"])
+    if want > MAX_TENSOR_FILE_BYTES:
+        raise EvidenceError(f"record {seq} states a {want}-byte tensor file, over the "
+                            f"{MAX_TENSOR_FILE_BYTES}-byte limit `evidence show` opens")
     try:
-        data = tpath.read_bytes()
+        data = read_regular(tpath, want)
     except OSError as exc:
         raise EvidenceError(f"record {seq} names {tpath.name}, which cannot be read: "
-                            f"{exc}") from None
-    if len(data) != spec.get("bytes") or hashlib.sha256(data).hexdigest() != spec.get("sha256"):
+                            f"{exc.strerror or exc}") from None
+    if len(data) != want or hashlib.sha256(data).hexdigest() != spec.get("sha256"):
         raise EvidenceError(f"{tpath.name} is not the file record {seq} wrote "
                             "(size or SHA-256 differs)")
     try:
@@ -137,7 +135,7 @@ def summary_line(rec: dict[str, Any]) -> dict[str, Any]:
         "id": rec["seq"],
         "time": rec.get("time"),
         "engine": rec.get("engine", rec.get("kind", "")),
-        "checks": rec.get("checks") or sorted({f.get("kind", "?") for f in
+        "checks": rec.get("checks") or sorted({f.get("kind") or "?" for f in
                                                rec.get("findings") or []
                                                if isinstance(f, dict)}),
         "groups": sorted({b.get("group") for b in blocks if b.get("condemned", True)}
@@ -150,21 +148,25 @@ def summary_line(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def format_list(records: list[dict[str, Any]]) -> str:
-    if not records:
+def format_list(records: list[dict[str, Any]],
+                unreadable: list[Unreadable] | None = None) -> str:
+    """The table of records; unreadable ones as a line each with the reason, in order."""
+    unreadable = unreadable or []
+    if not records and not unreadable:
         return "no evidence records"
     lines = [f"{'ID':>6}  {'TIME (UTC)':<19}  {'ENGINE':<10}  {'CHECKS':<24}  "
              f"{'GROUPS':<7}  {'BLOCKS':<14}  {'MAX ERR':>9}  {'TOL':>9}  KV"]
+    rows = [(u.seq, f"{u.seq:>6}  unreadable: {u.name}: {u.reason}") for u in unreadable]
     for rec in records:
         s = summary_line(rec)
         when = (dt.datetime.fromtimestamp(s["time"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
                 if isinstance(s["time"], (int, float)) else "?")
-        lines.append(f"{s['id']:>6}  {when:<19}  {str(s['engine'])[:10]:<10}  "
+        rows.append((s["id"], f"{s['id']:>6}  {when:<19}  {str(s['engine'])[:10]:<10}  "
                      f"{','.join(s['checks'])[:24]:<24}  "
                      f"{','.join(map(str, s['groups']))[:7]:<7}  "
                      f"{','.join(map(str, s['blocks']))[:14]:<14}  "
-                     f"{_num(s['max_error']):>9}  {_num(s['tolerance']):>9}  {s['tensors']}")
-    return "\n".join(lines)
+                     f"{_num(s['max_error']):>9}  {_num(s['tolerance']):>9}  {s['tensors']}"))
+    return "\n".join(lines + [text for _, text in sorted(rows, key=lambda r: r[0])])
 
 
 def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
@@ -176,6 +178,10 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
         why = (rec.get("tensors") or {}).get("skipped", "it has no tensor file")
         raise EvidenceError(f"record {rec['seq']} cannot be plotted: {why}")
     tol = (rec.get("errors") or {}).get("tolerance")
+    if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool)
+                                and math.isfinite(tol) and tol >= 0):
+        raise EvidenceError(f"record {rec['seq']} cannot be plotted: its tolerance "
+                            f"{tol!r} is not a finite number >= 0")
     try:
         heat = heat_from_tensors(tensors, float(tol) if tol is not None else None)
     except NothingToPlot as exc:
@@ -186,7 +192,10 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
              f"({heat.block_tokens} tokens each)",
              "|cached - recomputed| / rms(recomputed)",
              "tile: layer x head; rows K, V; columns: tokens"]
-    png, lay, _, vmax = render(heat, title)
+    try:
+        png, lay, _, vmax = render(heat, title)
+    except NothingToPlot as exc:
+        raise EvidenceError(f"record {rec['seq']} cannot be plotted: {exc}") from None
     try:
         Path(out).write_bytes(png)
     except OSError as exc:
@@ -211,7 +220,7 @@ def _directory(value: str | None) -> Path:
 
 
 def _parse_id(text: str) -> int:
-    m = re.fullmatch(r"(?:anomaly-)?0*(\d+)(?:\.json)?", text.strip())
+    m = re.fullmatch(r"(?:anomaly-)?0*(\d{1,20})(?:\.json)?", text.strip())
     if m is None:
         raise EvidenceError(f"bad record ID {text!r}: expected a number such as 12")
     return int(m.group(1))

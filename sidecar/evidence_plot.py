@@ -10,6 +10,7 @@ run red to yellow, so the wrong positions stand out at a glance.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,10 +20,16 @@ from sidecar.png import RGB, Canvas, text_width
 
 LEVELS = 256
 BACKGROUND: RGB = (255, 255, 255)
+# A picture a person can read, drawn in seconds: 126 layers x 8 KV heads x 2 x 512 tokens
+# fits; 2,000 x 2,000 heads (which once took 193 s and 3.3 GB) is refused up front.
+MAX_PLOT_CELLS = 2**20
+MAX_PLOT_PIXELS = 24 * 2**20
+TENSOR_NAME = re.compile(r"^g(\d{1,9})\.b(\d{1,9})\.(cached|recomputed)\.(key|value)$")
 
 
 class NothingToPlot(ValueError):
-    """The record has no cached/recomputed pair to compare (explains why)."""
+    """The record has no cached/recomputed pair to compare, or one too large or malformed
+    to draw (explains why)."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,12 @@ def heat_from_tensors(tensors: Mapping[str, torch.Tensor],
     """The heat of the first group (lowest id) that has both cached and recomputed KV."""
     pairs: dict[int, list[int]] = {}
     for name in tensors:
-        parts = name.split(".")
-        if len(parts) == 4 and parts[2] == "recomputed" and parts[3] == "key":
-            g, b = int(parts[0][1:]), int(parts[1][1:])
+        m = TENSOR_NAME.match(name)
+        if m is None:
+            raise NothingToPlot(f"tensor {name[:80]!r} is not named "
+                                "g<group>.b<index>.<cached|recomputed>.<key|value>")
+        if m.group(3) == "recomputed" and m.group(4) == "key":
+            g, b = int(m.group(1)), int(m.group(2))
             if f"g{g}.b{b}.cached.key" in tensors:
                 pairs.setdefault(g, []).append(b)
     if not pairs:
@@ -54,6 +64,7 @@ def heat_from_tensors(tensors: Mapping[str, torch.Tensor],
                             "condemned by an earlier check, before the recompute ran)")
     group = min(pairs)
     blocks = tuple(sorted(pairs[group]))
+    _check_size(tensors, group, blocks)
     columns = []
     for b in blocks:
         per_kv = []
@@ -69,6 +80,31 @@ def heat_from_tensors(tensors: Mapping[str, torch.Tensor],
         columns.append(torch.stack(per_kv, dim=2))  # (layers, heads, 2, tokens)
     values = torch.cat(columns, dim=3)
     return Heat(values, group, blocks, int(columns[0].shape[3]), tolerance)
+
+
+def _check_size(tensors: Mapping[str, torch.Tensor], group: int,
+                blocks: tuple[int, ...]) -> None:
+    """Refuse, before any arithmetic, a heat map too large to compute and draw."""
+    cells = 0
+    grid: tuple[int, ...] | None = None
+    for b in blocks:
+        for side in ("cached", "recomputed"):
+            for part in ("key", "value"):
+                shape = tuple(tensors[f"g{group}.b{b}.{side}.{part}"].shape)
+                if len(shape) != 4:
+                    raise NothingToPlot(f"block {b} {side} {part} has shape {shape}: "
+                                        "expected (layers, heads, tokens, head_dim)")
+        layers, heads, tokens, _ = tensors[f"g{group}.b{b}.cached.key"].shape
+        if grid is not None and grid != (layers, heads, tokens):
+            raise NothingToPlot(f"block {b} has {layers} layers x {heads} heads x {tokens} "
+                                f"tokens, the blocks before it {grid}: not one picture")
+        grid = (layers, heads, tokens)
+        cells += layers * heads * 2 * tokens
+        if cells > MAX_PLOT_CELLS:
+            raise NothingToPlot(f"too large to plot: {len(blocks)} block(s) of {layers} "
+                                f"layers x {heads} heads x {tokens} tokens is more than "
+                                f"{MAX_PLOT_CELLS} cells (read the tensors with any "
+                                "safetensors reader instead)")
 
 
 def palette(tol_fraction: float) -> list[RGB]:
@@ -146,6 +182,10 @@ def render(heat: Heat, title: list[str]) -> tuple[bytes, Layout, list[RGB], floa
     vmax = max(top, tol or 0.0, 1e-30)
     colours = palette(tol / vmax if tol else 1.0)
     lay = layout(layers, heads, tokens, title)
+    if lay.width * lay.height > MAX_PLOT_PIXELS:
+        raise NothingToPlot(f"too large to plot: {layers} layers x {heads} heads x {tokens} "
+                            f"tokens makes a {lay.width}x{lay.height} picture, over "
+                            f"{MAX_PLOT_PIXELS} pixels")
     c = Canvas(lay.width, lay.height, BACKGROUND)
     for i, line in enumerate(title):
         c.text(12, 12 + i * 14, line)

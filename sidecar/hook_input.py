@@ -12,6 +12,7 @@ a hit's tokens or blocks, so the unsampled path stays O(1) in the hit's size.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,6 +85,23 @@ def check_blocks(group_id: Any, block_ids: Any) -> InputReject | None:
     if not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):
         return InputReject.TYPE
     return InputReject.ABSURD if len(block_ids) > MAX_TOKENS else None
+
+
+def check_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID) -> InputReject | None:
+    """Each id of an already length-checked sequence (:func:`check_blocks`): an integer
+    in ``[0, hi]`` (numpy and torch integer scalars too: the journal applies them with
+    ``int()``). O(n): run where the journal applies events, off the engine's thread."""
+    for b in block_ids:
+        if type(b) is not int:
+            if isinstance(b, bool) or not hasattr(type(b), "__index__"):
+                return InputReject.NAN if isinstance(b, float) and math.isnan(b) \
+                    else InputReject.TYPE
+            b = operator.index(b)
+        if b < 0:
+            return InputReject.NEGATIVE
+        if b > hi:
+            return InputReject.ABSURD
+    return None
 
 
 def check_latency(seconds: Any) -> InputReject | None:

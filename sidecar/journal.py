@@ -28,7 +28,7 @@ from typing import Any
 
 from sidecar.allocator import LifecycleLog, LifecycleOp
 from sidecar.checks.keys import tokens_hash
-from sidecar.hook_input import check_blocks, check_store
+from sidecar.hook_input import check_block_ids, check_blocks, check_store
 from sidecar.protocol import StoredBlock
 from sidecar.signals import InputReject
 from sidecar.store_index import StoreIndex
@@ -36,6 +36,9 @@ from sidecar.store_index import StoreIndex
 log = logging.getLogger(__name__)
 
 _STORE, _FREE, _LIFECYCLE = 0, 1, 2
+# The hook a lifecycle event came through, for the reject counter's label.
+_LIFECYCLE_HOOK = {LifecycleOp.ALLOCATE: "on_allocate", LifecycleOp.FREE: "on_release",
+                   LifecycleOp.HIT: "on_lookup"}
 
 
 class CacheEventJournal:
@@ -66,7 +69,11 @@ class CacheEventJournal:
         pending = self._pending
         if len(pending) >= self.wake_at:
             self._nudge()
-        pending.append((_STORE, block, tokens_hash(block.tokens), time.time()))
+        try:
+            digest: int | None = tokens_hash(block.tokens)
+        except TypeError:  # unhashable token values: rejected when applied, never raised
+            digest = None
+        pending.append((_STORE, block, digest, time.time()))
 
     def free(self, group_id: int, block_ids: Sequence[int]) -> None:
         pending = self._pending
@@ -118,19 +125,25 @@ class CacheEventJournal:
                 try:
                     if ev[0] == _STORE:
                         block: StoredBlock = ev[1]
-                        if self._reject("on_store", check_store(block)):
+                        if self._reject("on_store", check_store(block) or (
+                                InputReject.TYPE if ev[2] is None else None)):
                             continue
                         index.record(block, ev[2])
                         lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
                                          (block.block_id,), (block.generation,),
                                          block.prefix_tokens + len(block.tokens), at=ev[3])
                     elif ev[0] == _FREE:
-                        if self._reject("on_free", check_blocks(ev[1], ev[2])):
+                        if self._reject("on_free", check_blocks(ev[1], ev[2])
+                                        or check_block_ids(ev[2])):
                             continue
                         index.forget(ev[1], ev[2])
                         lifecycle.record(LifecycleOp.EVICT, ev[1], None, ev[2], at=ev[3])
                     else:
                         _, op, group, seq, ids, gens, length, at = ev
+                        if self._reject(_LIFECYCLE_HOOK.get(op, "on_release"),
+                                        check_block_ids(ids)
+                                        or check_block_ids(gens, 1 << 62)):
+                            continue
                         lifecycle.record(op, group, seq, ids, gens, length, at=at)
                 except Exception:  # a malformed event: dropped, the rest still applied
                     log.exception("cache event could not be applied (dropped)")

@@ -256,7 +256,8 @@ class Monitor:
                     generations: Sequence[int]) -> None:
         """Optional lifecycle event (:class:`sidecar.protocol.BlockLifecycleSink`)."""
         try:
-            if self._reject("on_allocate", HI.check_blocks(group_id, block_ids)):
+            if self._reject("on_allocate", HI.check_blocks(group_id, block_ids)
+                            or HI.check_blocks(group_id, generations)):
                 return
             self.journal.lifecycle_event(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
                                   generations)

@@ -32,6 +32,7 @@ DTYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
 }
 _BY_NAME = {name: (dtype, view) for dtype, (name, view) in DTYPES.items()}
 MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
+MAX_EXTENT = 2**40  # product of a shape's dimensions (0 counted as 1): strides fit int64
 
 
 class SafetensorsError(ValueError):
@@ -70,7 +71,9 @@ def dumps(tensors: Mapping[str, torch.Tensor],
 def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a safetensors file; :class:`SafetensorsError` when the
     bytes are truncated or the header is inconsistent (a file cut by a crash reads as bad,
-    never as a shorter tensor)."""
+    never as a shorter tensor). The whole header is checked (names, dtypes, shapes,
+    offsets tiling the body, metadata of strings) before a tensor is built, so a crafted
+    file costs no more memory than its own bytes."""
     if len(data) < 8:
         raise SafetensorsError("shorter than the 8-byte header length")
     (n,) = struct.unpack_from("<Q", data)
@@ -78,34 +81,68 @@ def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise SafetensorsError(f"header length {n} does not fit a {len(data)}-byte file")
     try:
         header = json.loads(data[8:8 + n])
+    except RecursionError:
+        raise SafetensorsError("header is JSON nested too deep") from None
     except ValueError as exc:
-        raise SafetensorsError(f"header is not JSON: {exc}") from None
+        raise SafetensorsError(f"header is not JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object")
     body = memoryview(data)[8 + n:]
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str)
+                                                 for v in metadata.values()):
+        raise SafetensorsError("__metadata__ is not an object of strings")
+    specs = {name: _entry(name, spec, len(body)) for name, spec in header.items()}
+    offset = 0
+    for name, (_, _, begin, end) in sorted(specs.items(), key=lambda kv: kv[1][2:]):
+        if begin != offset:
+            raise SafetensorsError(f"{name[:80]!r}: data starts at {begin}, expected "
+                                   f"{offset} (tensors must tile the body)")
+        offset = end
+    if offset != len(body):
+        raise SafetensorsError(f"body is {len(body)} bytes, tensors end at {offset}")
     out: dict[str, torch.Tensor] = {}
-    end_max = 0
-    for name, spec in header.items():
-        try:
-            dtype, view = _BY_NAME[spec["dtype"]]
-            shape = [int(d) for d in spec["shape"]]
-            begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"bad header entry for {name!r}: {spec!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= begin <= end <= len(body) \
-                or end - begin != numel * torch.empty(0, dtype=dtype).element_size():
-            raise SafetensorsError(f"{name!r}: offsets {begin}..{end} do not match shape "
-                                   f"{shape} {spec['dtype']} in a {len(body)}-byte body")
-        end_max = max(end_max, end)
+    for name, (dtype, shape, begin, end) in specs.items():
+        _, view = DTYPES[dtype]
         chunk = bytes(body[begin:end])
         flat = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if chunk \
             else torch.empty(0, dtype=torch.uint8)
         t = flat.view(torch.bool if dtype == torch.bool else view)
         out[name] = (t if dtype == torch.bool else t.view(dtype)).reshape(shape)
-    if end_max != len(body):
-        raise SafetensorsError(f"body is {len(body)} bytes, tensors end at {end_max}")
-    return out, {str(k): str(v) for k, v in dict(metadata).items()}
+    return out, dict(metadata)
+
+
+def _entry(name: str, spec: object, body_len: int) -> tuple[torch.dtype, list[int], int, int]:
+    """One header entry, checked: a known dtype, a shape of non-negative integers whose
+    byte size fits the body, and offsets that hold exactly that many bytes."""
+    where = f"{name[:80]!r}"
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise SafetensorsError(f"{where}: header entry is not "
+                               "{dtype, shape, data_offsets}")
+    if not isinstance(spec["dtype"], str) or spec["dtype"] not in _BY_NAME:
+        raise SafetensorsError(f"{where}: unsupported dtype {str(spec['dtype'])[:20]!r} "
+                               f"(known: {', '.join(sorted(_BY_NAME))})")
+    dtype = _BY_NAME[spec["dtype"]][0]
+    shape, offsets = spec["shape"], spec["data_offsets"]
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_uint(d) for d in shape):
+        raise SafetensorsError(f"{where}: shape is not a list of at most 8 integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_uint(x) for x in offsets):
+        raise SafetensorsError(f"{where}: data_offsets is not two integers >= 0")
+    begin, end = offsets
+    size, extent = torch.empty(0, dtype=dtype).element_size(), 1
+    for d in shape:  # stop as soon as a product passes its bound: no huge products
+        size *= d
+        extent *= max(d, 1)  # an empty tensor's strides still multiply its other dims
+        if size > body_len or extent > MAX_EXTENT:
+            raise SafetensorsError(f"{where}: shape {shape[:8]} does not fit a "
+                                   f"{body_len}-byte body")
+    if not begin <= end <= body_len or end - begin != size:
+        raise SafetensorsError(f"{where}: offsets {begin}..{end} do not match shape "
+                               f"{shape} {spec['dtype']} in a {body_len}-byte body")
+    return dtype, list(shape), begin, end
+
+
+def _uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

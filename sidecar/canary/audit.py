@@ -15,6 +15,7 @@ exactly :func:`~sidecar.canary.probes.expected_cached`. Two sources are audited:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sidecar.canary.probes import PairResult, expected_cached
@@ -35,9 +36,12 @@ def counter_sum(text: str, names: tuple[str, ...] = SERVER_HIT_COUNTERS) -> floa
             metric = line.split("{", 1)[0].split(" ", 1)[0]
             if metric == name:
                 try:
-                    total += float(line.rsplit(" ", 1)[1])
+                    value = float(line.rsplit(" ", 1)[1])
                 except (ValueError, IndexError):
                     continue
+                if not math.isfinite(value) or value < 0:
+                    continue  # a counter is finite and >= 0: a broken line says nothing
+                total += value
                 seen = True
         if seen:
             return total

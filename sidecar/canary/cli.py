@@ -4,7 +4,9 @@
 Exit codes: 0 when the run is quiet, 1 when it found anomalies or hit-audit mismatches
 (``--pairs`` runs only; a long-running canary reports through /metrics), 2 for bad input
 or an unusable server (bad endpoint, refused connection, no logprobs, or a ``--pairs`` run
-in which no pair completed).
+in which a probe failed: a malformed, oversized or late answer; the reason is printed).
+A long-running canary (``--pairs 0``) counts each failed probe in
+``kvsidecar_canary_errors_total{reason}`` and keeps going.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--min-rate", type=float, default=0.05, help="requests/s always allowed")
     c.add_argument("--max-rate", type=float, default=2.0,
                    help="requests/s never exceeded (used when the server has no /metrics)")
-    c.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    c.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds per request, for the whole exchange (not per read)")
     c.add_argument("--seed", type=int, default=None,
                    help="seed the probe prompts (default: fresh ones every run; a fixed seed "
                         "resends prompts the server may have cached since)")
@@ -189,6 +192,13 @@ def _run(args: argparse.Namespace) -> int:
               + sum(report.audit.get(k.value, 0) for k in AUDIT_ALARM_KINDS))
     if cfg.pairs and not report.divergences:  # every pair failed: nothing was checked
         print("kv-sidecar canary: error: no paired probe completed (errors: "
-              f"{report.errors})", file=sys.stderr, flush=True)
+              f"{report.errors}; last: {report.last_error})", file=sys.stderr, flush=True)
         return 2
-    return 1 if cfg.pairs and alarms else 0
+    if cfg.pairs and alarms:
+        return 1
+    if cfg.pairs and report.errors:  # a one-shot run that could not check every pair
+        failed = sum(report.errors.values())
+        print(f"kv-sidecar canary: error: {failed} of {report.pairs} paired probes failed "
+              f"({report.errors}); last: {report.last_error}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -4,89 +4,32 @@
 The canary needs exactly one call: a prompt (token ids where the server takes them, so the
 prompt length and block boundaries are exact), greedy decoding, the top-k logprobs of every
 generated position, and the usage block the server reports. Every failure becomes a
-:class:`CanaryError` whose message says what to fix, with a ``reason`` the exporter counts.
+:class:`RequestFailed` whose message says what to fix, with a ``reason`` the exporter counts.
+
+A server under test may be broken in any way, so each request has bounds of its own: one
+deadline for the whole exchange (connect, headers, body: a server trickling a byte every
+2 s times out at the deadline, not per read; a watchdog shuts the socket), and a cap on the
+answer's size (an endless body stops at :data:`MAX_ANSWER_BYTES`). Redirects are not
+followed: a ``3xx`` is an ``http`` error naming where it points.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.canary.endpoint import CanaryError, Endpoint
+from sidecar.canary.answers import Completion, RequestFailed, model_id, parse_chat, parse_completion
+from sidecar.canary.endpoint import Endpoint
 
+__all__ = ["MAX_ANSWER_BYTES", "Completion", "OpenAIClient", "RequestFailed", "parse_chat",
+           "parse_completion"]
 
-class RequestFailed(CanaryError):
-    """One request failed; ``reason`` is the ``reason`` label of the errors counter."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class Completion:
-    """One answer: generated tokens, the top-k logprobs per position and reported usage."""
-
-    tokens: list[str]
-    top_logprobs: list[dict[str, float]]
-    prompt_tokens: int
-    cached_tokens: int | None  # None: the server does not report it
-    latency_s: float
-    raw_usage: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_completion(body: dict[str, Any], latency_s: float) -> Completion:
-    """Pull tokens, logprobs and usage out of a ``/v1/completions`` response."""
-    try:
-        choice = body["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise RequestFailed("protocol", "the server's answer has no choices: not an "
-                            "OpenAI-compatible /v1/completions response") from None
-    lp = choice.get("logprobs") if isinstance(choice, dict) else None
-    if not isinstance(lp, dict) or not lp.get("top_logprobs"):
-        raise RequestFailed("protocol", "the server returned no logprobs: the canary needs "
-                            "a server that supports `logprobs` on /v1/completions")
-    tokens = [str(t) for t in lp.get("tokens") or []]
-    tops: list[dict[str, float]] = []
-    for pos in lp["top_logprobs"]:
-        if not isinstance(pos, dict):
-            raise RequestFailed("protocol", "malformed top_logprobs in the server's answer")
-        tops.append({str(k): float(v) for k, v in pos.items()})
-    return _with_usage(body, tokens, tops, latency_s)
-
-
-def parse_chat(body: dict[str, Any], latency_s: float) -> Completion:
-    """The same from a ``/v1/chat/completions`` response (``logprobs.content``)."""
-    try:
-        choice = body["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise RequestFailed("protocol", "the server's answer has no choices: not an "
-                            "OpenAI-compatible /v1/chat/completions response") from None
-    lp = choice.get("logprobs") if isinstance(choice, dict) else None
-    content = lp.get("content") if isinstance(lp, dict) else None
-    if not isinstance(content, list) or not content:
-        raise RequestFailed("protocol", "the server returned no logprobs for a chat "
-                            "completion: it does not support `logprobs`/`top_logprobs`")
-    try:
-        tokens = [str(pos["token"]) for pos in content]
-        tops = [{str(t["token"]): float(t["logprob"]) for t in pos.get("top_logprobs") or []}
-                for pos in content]
-    except (KeyError, TypeError, ValueError):
-        raise RequestFailed("protocol", "malformed logprobs in the server's chat "
-                            "answer") from None
-    return _with_usage(body, tokens, tops, latency_s)
-
-
-def _with_usage(body: dict[str, Any], tokens: list[str], tops: list[dict[str, float]],
-                latency_s: float) -> Completion:
-    usage = body.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Completion(tokens, tops, int(usage.get("prompt_tokens") or 0),
-                      None if cached is None else int(cached), latency_s, dict(usage))
+MAX_ANSWER_BYTES = 16 * 2**20  # a completion with logprobs is KBs; vLLM's /metrics ~1 MB
 
 
 class OpenAIClient:
@@ -94,9 +37,10 @@ class OpenAIClient:
     server costs one timeout, not a poisoned pool)."""
 
     def __init__(self, endpoint: Endpoint, model: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.endpoint = endpoint
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # for the whole request, not per read
+        self.max_answer_bytes = max_answer_bytes
         self.model = model
         self.token_id_keys = True  # vLLM's return_tokens_as_token_ids; dropped if refused
 
@@ -109,20 +53,51 @@ class OpenAIClient:
         url = (ep.path if base is None else base) + path
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        expired = threading.Event()
+        watchdog = threading.Timer(self.timeout_s, _expire, (conn, expired))
+        watchdog.daemon = True
+        watchdog.start()
         try:
+            conn.connect()
+            if expired.is_set():  # fired while connecting, before there was a socket
+                raise TimeoutError
             conn.request(method, url, body=data, headers=headers)
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            raw = self._read_capped(resp, url)
+            if expired.is_set():  # a shut socket reads as the end of the body
+                raise TimeoutError
+            return resp.status, raw
         except ConnectionRefusedError:
             raise RequestFailed("connect", f"connection refused by {ep.root}: is the "
                                 "server running on that port?") from None
-        except TimeoutError:
-            raise RequestFailed("timeout", f"{ep.root}{url} did not answer within "
-                                f"{self.timeout_s:g}s") from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if expired.is_set() or isinstance(exc, TimeoutError):
+                raise RequestFailed("timeout", f"{ep.root}{url} did not answer within "
+                                    f"{self.timeout_s:g}s") from None
             raise RequestFailed("connect", f"cannot talk to {ep.root}: {exc}") from None
         finally:
+            watchdog.cancel()
             conn.close()
+
+    def _read_capped(self, resp: http.client.HTTPResponse, url: str) -> bytes:
+        """The body, at most ``max_answer_bytes`` (refused early when the length says so)."""
+        cap = self.max_answer_bytes
+        length = resp.getheader("Content-Length")
+        if length is not None and length.strip().isdigit() and int(length) > cap:
+            raise RequestFailed("protocol", f"{url}: a {int(length)}-byte answer, over the "
+                                f"{cap}-byte limit")
+        chunks: list[bytes] = []
+        got = 0
+        while True:
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > cap:
+                raise RequestFailed("protocol", f"{url}: the answer passed the {cap}-byte "
+                                    "limit (an endless body?)")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _json(self, status: int, raw: bytes, what: str) -> Any:
         if status != 200:
@@ -130,6 +105,8 @@ class OpenAIClient:
             raise RequestFailed("http", f"{what} answered HTTP {status}: {snippet}")
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise RequestFailed("protocol", f"{what} answered JSON nested too deep") from None
         except ValueError:
             raise RequestFailed("protocol", f"{what} answered with something other than "
                                 "JSON: is this an OpenAI-compatible endpoint?") from None
@@ -140,11 +117,7 @@ class OpenAIClient:
             return self.model
         status, raw = self._request("GET", "/models")
         body = self._json(status, raw, f"{self.endpoint.base}/models")
-        try:
-            self.model = str(body["data"][0]["id"])
-        except (KeyError, IndexError, TypeError):
-            raise RequestFailed("protocol", f"{self.endpoint.base}/models lists no model: "
-                                "pass --model") from None
+        self.model = model_id(body, f"{self.endpoint.base}/models")
         return self.model
 
     def complete(self, prompt: list[int] | str, max_tokens: int, logprobs: int,
@@ -191,3 +164,12 @@ class OpenAIClient:
         except RequestFailed:
             return None
         return raw.decode("utf-8", "replace") if status == 200 else None
+
+
+def _expire(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """The deadline passed: shut the socket so the blocked read returns now."""
+    expired.set()
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

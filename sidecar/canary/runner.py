@@ -52,6 +52,7 @@ class Report:
     divergences: list[float] = field(default_factory=list)
     audit: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    last_error: str = ""  # the message of the latest failed probe (why, for exit code 2)
     tolerance: float = 0.0
     noise_floor: float = 0.0
     calibrated: bool = False
@@ -112,6 +113,7 @@ class Canary:
         except RequestFailed as exc:
             self.exporter.error(exc.reason)
             self.report.errors[exc.reason] = self.report.errors.get(exc.reason, 0) + 1
+            self.report.last_error = f"{exc.reason}: {exc}"
             log.warning("canary: probe failed: %s", exc)
             self.report.pairs += 1
             return
