@@ -41,7 +41,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ class ForwardApp:
 class _Incoming:
     """A connection whose request is still arriving (reception thread only)."""
 
-    __slots__ = ("sock", "peer", "deadline", "buf", "head_end", "length", "reserved",
-                 "request")
+    __slots__ = ("buf", "deadline", "head_end", "length", "peer", "request", "reserved",
+                 "sock")
 
     def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
         self.sock, self.peer, self.deadline = sock, peer, deadline
@@ -205,8 +205,10 @@ class ForwardServer:
 
     def __init__(self, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0),
                  limits: ForwardLimits | None = None, app: ForwardApp | None = None,
-                 name: str = "kvsidecar-proxy") -> None:
+                 name: str = "kvsidecar-proxy",
+                 on_refused: Callable[[int], None] | None = None) -> None:
         self.upstream = upstream
+        self.on_refused = on_refused  # told the status of every error the proxy answers
         self.limits = limits or ForwardLimits()
         self.app = app or ForwardApp()
         self.name = name
@@ -263,6 +265,8 @@ class ForwardServer:
             self.stats[key] = self.stats.get(key, 0) + 1
             if status is not None:
                 self.rejected[status] = self.rejected.get(status, 0) + 1
+        if status is not None and self.on_refused is not None:
+            self.on_refused(status)
 
     # ------------------------------------------------------------- reception (one thread)
     def _reception(self) -> None:
