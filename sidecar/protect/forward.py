@@ -319,53 +319,69 @@ class ForwardServer:
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
               c: _Incoming) -> None:
-        lim = self.limits
+        """Read what arrived. The head accumulates in ``buf``; once it is parsed, ``buf``
+        becomes the body, allocated once at its declared size and filled in place (no
+        growing buffer, no copies of a large body)."""
         try:
-            data = c.sock.recv(65536)
+            if c.request is None:
+                data = c.sock.recv(65536)
+                n = len(data)
+            else:
+                n = c.sock.recv_into(memoryview(c.buf)[c.head_end:])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self._drop(sel, pending, c)
             return
-        c.buf += data
         try:
-            if c.head_end < 0:
-                end = c.buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(c.buf) > lim.max_header_bytes:
-                        raise BadRequest(431, "request head too large")
-                    return
-                if end > lim.max_header_bytes:
-                    raise BadRequest(431, "request head too large")
-                method, target, headers, length = parse_head(bytes(c.buf[:end]))
-                if length > lim.max_body_bytes:
-                    raise BadRequest(413, f"body of {length} bytes is over the proxy's "
-                                          f"limit of {lim.max_body_bytes}")
-                with self._lock:
-                    if length > self._budget:
-                        raise BadRequest(503, "proxy busy: request buffers full")
-                    self._budget -= length
-                c.reserved = length
-                c.head_end, c.length = end + 4, length
-                c.request = Request(method, target, headers, b"", c.peer)
-                expect = c.request.header("Expect")
-                if expect and expect.lower() == "100-continue" and len(c.buf) == c.head_end:
-                    with contextlib.suppress(OSError):
-                        c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-            if len(c.buf) - c.head_end > c.length:
-                raise BadRequest(400, "more bytes than Content-Length (pipelining is not "
-                                      "supported)")
+            if c.request is None:
+                c.buf += data
+                self._head(c)
+            else:
+                c.head_end += n
         except BadRequest as exc:
             self._refuse(sel, pending, c, exc.status, str(exc))
             return
-        if len(c.buf) - c.head_end == c.length and c.request is not None:
+        if c.request is not None and c.head_end == c.length:
             sel.unregister(c.sock)
             del pending[c.sock.fileno()]
-            c.request.body = bytes(c.buf[c.head_end:])
+            c.request.body = c.buf  # type: ignore[assignment]  # bytes-like, not copied
             c.buf = bytearray()
             self._ready.put(c)
+
+    def _head(self, c: _Incoming) -> None:
+        """Parse the request head once it is complete; raises :class:`BadRequest`."""
+        lim = self.limits
+        end = c.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(c.buf) > lim.max_header_bytes:
+                raise BadRequest(431, "request head too large")
+            return
+        if end > lim.max_header_bytes:
+            raise BadRequest(431, "request head too large")
+        method, target, headers, length = parse_head(bytes(c.buf[:end]))
+        if length > lim.max_body_bytes:
+            raise BadRequest(413, f"body of {length} bytes is over the proxy's "
+                                  f"limit of {lim.max_body_bytes}")
+        tail = c.buf[end + 4:]
+        if len(tail) > length:
+            raise BadRequest(400, "more bytes than Content-Length (pipelining is not "
+                                  "supported)")
+        with self._lock:
+            if length > self._budget:
+                raise BadRequest(503, "proxy busy: request buffers full")
+            self._budget -= length
+        c.reserved = length
+        c.buf = bytearray(length)
+        c.buf[:len(tail)] = tail
+        c.head_end, c.length = len(tail), length  # head_end: body bytes received so far
+        c.request = Request(method, target, headers, b"", c.peer)
+        expect = c.request.header("Expect")
+        if expect and expect.lower() == "100-continue" and not tail:
+            with contextlib.suppress(OSError):
+                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _refuse(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
                 c: _Incoming, status: int, message: str) -> None:
