@@ -155,13 +155,13 @@ class ReplayVerifier:
         d = divergence(ref, hit).value
         tol = self.tolerance.value
         anomalous = d > tol
+        if self.on_verdict is not None:  # first: whoever reads the stats sees its effect
+            self.on_verdict(anomalous)
         self.exporter.verdict(d, tol, anomalous, hit.latency_s + ref.latency_s)
         self._count("replayed")
         self._count("anomalies", int(anomalous))
         with self._stats_lock:
             self.stats["max_divergence"] = max(self.stats["max_divergence"], d)
-        if self.on_verdict is not None:
-            self.on_verdict(anomalous)
         if anomalous:
             log.warning("canary replay: cached answer diverges by %.3g (tolerance %.3g)",
                         d, tol)
