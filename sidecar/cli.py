@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.actions_demo_cli import add_parser as add_actions_demo_parser
 
     add_actions_demo_parser(sub)  # background scrub, quarantine + breaker (engineer scrub)
+    from sidecar.protect.cli import add_parser as add_guard_parser
+
+    add_guard_parser(sub)  # the cache-bypass guard (sidecar/protect/)
+    add_config_arguments(sub.choices["guard"])
     return p
 
 
@@ -272,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_evidence(args)
             except EvidenceError as exc:
                 raise UsageError(str(exc)) from None
+        if args.command == "guard":
+            from sidecar.config_cli import configure
+            from sidecar.protect.cli import run_guard
+
+            configure("guard", "guard", parser, argv, args)
+            return run_guard(args)
         if args.command == "actions-demo":
             require("demo")
             from sidecar.actions_demo import run as run_actions_demo

@@ -65,6 +65,7 @@ COMMANDS: dict[str, Command] = {
                      "seed": "seed", "adapter_timeout": "adapter_timeout_s",
                      "recompute_budget": "recompute_tokens_per_s", **_TOLERANCE_FLAGS}),
     "canary": Command("canary", _main_parser, ("canary",), {}),
+    "guard": Command("guard", _main_parser, ("guard",), {}),  # sidecar/protect/cli.py
 }
 
 

@@ -12,29 +12,32 @@ that honours ``cache_salt``; the canary's ``auto`` mode finds out.
 
 Replays go to a bounded queue; when it is full a sample is dropped and counted
 (``samples_dropped_total{reason="queue_full"}``), never queued without bound.
+
+The forwarding itself is :class:`sidecar.protect.forward.ForwardServer` (bounded
+connections and threads, a whole-request deadline, a body cap answering 413, timeouts to
+the server, streaming pass-through); :class:`ReplayVerifier` is the replay half alone, which
+the cache-bypass guard (:mod:`sidecar.protect.bypass_guard`) reuses for its verdicts.
 """
 
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
 import logging
 import queue
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 from sidecar import signals as S
 from sidecar.canary.client import OpenAIClient, RequestFailed
 from sidecar.canary.compare import Tolerance, divergence
 from sidecar.canary.exporter import CanaryExporter
+from sidecar.protect.forward import ForwardApp, ForwardLimits, ForwardServer, Request
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-              "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 
 
 Job = tuple[str, Any, str | None]  # (kind: "completions" | "chat", prompt or messages, model)
@@ -62,42 +65,36 @@ def replayable(path: str, body: Any) -> Job | None:
     return None
 
 
-class ReplayProxy:
+class ReplayVerifier:
+    """Replays jobs on one worker thread: the prompt with the cache and with a unique
+    ``cache_salt``, compared with the canary's tolerance. ``on_verdict(anomalous)`` is told
+    of every completed comparison (on the worker thread; it must not raise)."""
+
     def __init__(self, client: OpenAIClient, exporter: CanaryExporter, tolerance: Tolerance,
-                 every: int, max_tokens: int = 4, logprobs: int = 5, port: int = 0,
-                 queue_size: int = 8) -> None:
+                 max_tokens: int = 4, logprobs: int = 5, queue_size: int = 8,
+                 on_verdict: Callable[[bool], None] | None = None) -> None:
         self.client = client
         self.exporter = exporter
         self.tolerance = tolerance
-        self.every = every
         self.max_tokens = max_tokens
         self.logprobs = logprobs
-        self._seen = itertools.count(1)
+        self.on_verdict = on_verdict
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self.stats: dict[str, float] = {"forwarded": 0, "replayed": 0, "anomalies": 0,
                                          "dropped": 0, "errors": 0, "max_divergence": 0.0}
-        self._stats_lock = threading.Lock()  # handler threads and the replay worker
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self.httpd.daemon_threads = True
-        self._threads: list[threading.Thread] = []
+        self._stats_lock = threading.Lock()  # forwarding threads and the replay worker
+        self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def start(self) -> ReplayProxy:
-        for target, name in ((lambda: self.httpd.serve_forever(0.1), "canary-proxy"),
-                             (self._replay_loop, "canary-replay")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+    def start(self) -> ReplayVerifier:
+        self._thread = threading.Thread(target=self._replay_loop, name="canary-replay",
+                                        daemon=True)
+        self._thread.start()
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._queue.put(None)
-        self._threads[-1].join(timeout=60)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every queued replay has been compared (for tests and shutdown)."""
@@ -113,67 +110,21 @@ class ReplayProxy:
         with self._stats_lock:
             self.stats[key] += amount
 
-    # ------------------------------------------------------------------ forwarding
-    def forward(self, method: str, path: str, headers: dict[str, str],
-                body: bytes) -> http.client.HTTPResponse:
-        ep = self.client.endpoint
-        conn = http.client.HTTPConnection(ep.host, ep.port, timeout=self.client.timeout_s)
-        conn.request(method, path, body=body or None, headers=headers)
-        return conn.getresponse()
-
-    def maybe_sample(self, path: str, body: bytes) -> None:
-        if not path.split("?", 1)[0].endswith("/completions"):
-            return
-        if next(self._seen) % self.every:
-            return
+    def submit(self, path: str, body: bytes) -> bool:
+        """Queue a replay of the request (False: not replayable, or dropped and counted)."""
         try:
             job = replayable(path, json.loads(body))
         except ValueError:
-            return
+            return False
         if job is None:
-            return
+            return False
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             self._count("dropped")
             self.exporter.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.QUEUE_FULL.value)
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
-
-            def _proxy(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in HOP_BY_HOP}
-                try:
-                    resp = proxy.forward(self.command, self.path, headers, body)
-                except OSError as exc:
-                    self.send_error(502, f"upstream unreachable: {exc}")
-                    return
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in HOP_BY_HOP:
-                        self.send_header(k, v)
-                self.send_header("Connection", "close")
-                self.end_headers()
-                while chunk := resp.read1(65536):  # streams (SSE) pass through as they come
-                    self.wfile.write(chunk)
-                    self.wfile.flush()
-                resp.close()
-                proxy._count("forwarded")
-                if self.command == "POST" and resp.status == 200:
-                    proxy.maybe_sample(self.path, body)
-
-            do_GET = do_POST = do_PUT = do_DELETE = _proxy
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("proxy: " + fmt, *args)
-
-        return Handler
+            return False
+        return True
 
     # ------------------------------------------------------------------ replays
     def _replay_loop(self) -> None:
@@ -204,6 +155,8 @@ class ReplayProxy:
         d = divergence(ref, hit).value
         tol = self.tolerance.value
         anomalous = d > tol
+        if self.on_verdict is not None:  # first: whoever reads the stats sees its effect
+            self.on_verdict(anomalous)
         self.exporter.verdict(d, tol, anomalous, hit.latency_s + ref.latency_s)
         self._count("replayed")
         self._count("anomalies", int(anomalous))
@@ -212,3 +165,56 @@ class ReplayProxy:
         if anomalous:
             log.warning("canary replay: cached answer diverges by %.3g (tolerance %.3g)",
                         d, tol)
+
+
+class _ReplayApp(ForwardApp):
+    def __init__(self, proxy: ReplayProxy) -> None:
+        self.proxy = proxy
+
+    def answered(self, request: Request, forwarded: bytes, status: int) -> None:
+        self.proxy.verifier._count("forwarded")
+        if request.method == "POST" and status == 200:
+            self.proxy.maybe_sample(request.path, forwarded)
+
+
+class ReplayProxy:
+    """Forwards everything to the server unchanged and replays 1 in ``every`` completions
+    requests through a :class:`ReplayVerifier`."""
+
+    def __init__(self, client: OpenAIClient, exporter: CanaryExporter, tolerance: Tolerance,
+                 every: int, max_tokens: int = 4, logprobs: int = 5, port: int = 0,
+                 queue_size: int = 8, limits: ForwardLimits | None = None) -> None:
+        self.every = every
+        self._seen = itertools.count(1)
+        self.verifier = ReplayVerifier(client, exporter, tolerance, max_tokens, logprobs,
+                                       queue_size)
+        ep = client.endpoint
+        self.server = ForwardServer((ep.host, ep.port), ("127.0.0.1", port), limits,
+                                    _ReplayApp(self), name="canary-proxy")
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.verifier.stats
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> ReplayProxy:
+        self.verifier.start()
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.verifier.stop()
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        self.verifier.drain(timeout_s)
+
+    def maybe_sample(self, path: str, body: bytes) -> None:
+        if not path.split("?", 1)[0].endswith("/completions"):
+            return
+        if next(self._seen) % self.every:
+            return
+        self.verifier.submit(path, body)

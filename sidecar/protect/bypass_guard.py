@@ -1,0 +1,283 @@
+"""The cache-bypass guard: a pass-through proxy in front of an OpenAI-compatible server that
+stops users being served from a cache known to be wrong.
+
+Closed, it forwards every request byte for byte. Open, it adds a fresh ``cache_salt`` to
+the JSON body of every ``/v1/completions`` and ``/v1/chat/completions`` request: vLLM keys
+a request's first block on its salt, so no cached block can match and the engine serves a
+miss (slower, never wrong because of the cache). Half-open, a few probes go with the cache
+and their verdicts decide (:mod:`sidecar.protect.breaker`).
+
+What opens it (any of them):
+
+* **local** verdicts: the guard replays 1 in ``verify_every`` requests (every probe while
+  half-open) with and without the cache through the canary's
+  :class:`~sidecar.canary.replay.ReplayVerifier`: one anomalous verdict opens it;
+* a kv-sidecar's ``/status`` (``sidecar_status``): its ``anomalies`` counter rising opens
+  it, its ``verified`` counter rising without anomalies are clean verdicts;
+* an **Alertmanager webhook** (``POST /guard/alertmanager``): a firing
+  ``KVCacheContentAnomaly`` or ``KVCacheHighHitRateWithAnomalies`` for this guard's
+  ``instance``, or a fleet-wide ``KVCacheAnomalyFleetWide`` for its ``model``;
+* an **operator**: ``POST /guard/open``, ``/guard/half-open``, ``/guard/close``.
+
+``/guard/*`` needs ``Authorization: Bearer <token>`` when a token is set (the sidecar's
+server rules, :func:`sidecar.server.load_token`); ``GET /guard/status`` shows the state.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import logging
+import threading
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar import signals as S
+from sidecar.metrics import Metrics
+from sidecar.protect.breaker import BreakerSettings, BypassBreaker, Route, Source, State
+from sidecar.protect.forward import (
+    ForwardApp,
+    ForwardLimits,
+    ForwardServer,
+    Reply,
+    Request,
+    error,
+)
+
+log = logging.getLogger(__name__)
+ENGINE = "guard"
+SALT_PREFIX = "kvsidecar-guard-"
+INSTANCE_PAGES = frozenset({"KVCacheContentAnomaly", "KVCacheHighHitRateWithAnomalies"})
+FLEET_PAGES = frozenset({"KVCacheAnomalyFleetWide"})
+STATUS_MAX_BYTES = 1 << 20
+_OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class GuardConfig:
+    upstream: tuple[str, int]
+    listen: tuple[str, int] = ("127.0.0.1", 0)
+    model: str = ""
+    instance: str = ""  # the alert `instance` label of the sidecar that watches this server
+    verify_every: int = 100  # 0: no local verification
+    token: str | None = None
+    sidecar_status: str | None = None
+    sidecar_token: str | None = None
+    poll_every_s: float = 5.0
+    limits: ForwardLimits = field(default_factory=ForwardLimits)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+
+def salted(body: bytes) -> bytes | None:
+    """``body`` (a JSON object) with a fresh ``cache_salt``; None when it is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    obj["cache_salt"] = SALT_PREFIX + uuid.uuid4().hex
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def pages_for(payload: Any, instance: str, model: str) -> list[str]:
+    """The firing alerts of an Alertmanager webhook payload that concern this guard."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("alerts"), list):
+        raise ValueError("not an Alertmanager webhook payload (no alerts list)")
+    out = []
+    for alert in payload["alerts"][:1000]:
+        if not isinstance(alert, dict) or alert.get("status") != "firing":
+            continue
+        labels = alert.get("labels")
+        if not isinstance(labels, dict):
+            continue
+        name = labels.get("alertname")
+        mine = (name in INSTANCE_PAGES and bool(instance)
+                and labels.get("instance") == instance)
+        fleet = name in FLEET_PAGES and bool(model) and labels.get("model") == model
+        if mine or fleet:
+            out.append(str(name))
+    return out
+
+
+class GuardApp(ForwardApp):
+    """The guard's part of the forwarding: routes, salts, samples, and its own paths."""
+
+    def __init__(self, guard: BypassGuard) -> None:
+        self.guard = guard
+        self._seen = itertools.count(1)
+        self._verify: set[int] = set()  # id() of requests to replay once answered
+        self._lock = threading.Lock()
+
+    def local(self, request: Request) -> Reply | None:
+        if not request.route.startswith("/guard/"):
+            return None
+        g = self.guard
+        if g.cfg.token is not None:
+            given = (request.header("Authorization") or "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), g.cfg.token.encode()):
+                return Reply(401, b"unauthorized\n",
+                             headers=[("WWW-Authenticate", 'Bearer realm="kv-sidecar"')])
+        if request.route == "/guard/status" and request.method == "GET":
+            return Reply(200, json.dumps(g.status()).encode(), "application/json")
+        if request.method != "POST":
+            return error(404, "unknown guard path")
+        force = {"/guard/open": State.OPEN, "/guard/close": State.CLOSED,
+                 "/guard/half-open": State.HALF_OPEN}.get(request.route)
+        if force is not None:
+            g.breaker.force(force)
+            return Reply(200, json.dumps(g.status()).encode(), "application/json")
+        if request.route == "/guard/alertmanager":
+            try:
+                pages = pages_for(json.loads(request.body), g.cfg.instance, g.model)
+            except ValueError as exc:
+                return error(400, str(exc))
+            except RecursionError:
+                return error(400, "payload nested too deep")
+            if pages:
+                log.warning("guard: page %s: bypassing the cache", ", ".join(pages))
+                g.breaker.anomaly(Source.WEBHOOK)
+            return Reply(200, json.dumps({"opened": bool(pages), "alerts": pages}).encode(),
+                         "application/json")
+        return error(404, "unknown guard path")
+
+    def rewrite(self, request: Request) -> bytes:
+        if request.method != "POST" or request.route not in _OPENAI_ROUTES:
+            return request.body
+        g = self.guard
+        route = g.breaker.route()
+        if route is not Route.FORWARDED and not g.bypass_supported:
+            g.count(Route.UNPROTECTED if route is Route.BYPASSED else route)
+            return request.body
+        verify = route is Route.PROBE or (
+            route is Route.FORWARDED and g.cfg.verify_every > 0
+            and next(self._seen) % g.cfg.verify_every == 0)
+        if verify:
+            with self._lock:
+                self._verify.add(id(request))
+        if route is Route.BYPASSED:
+            body = salted(request.body)
+            if body is None:  # not JSON: the server answers 400 to it anyway
+                g.count(Route.FORWARDED)
+                return request.body
+            g.count(Route.BYPASSED)
+            return body
+        g.count(route)
+        return request.body
+
+    def answered(self, request: Request, forwarded: bytes, status: int) -> None:
+        with self._lock:
+            if id(request) not in self._verify:
+                return
+            self._verify.discard(id(request))
+        if status == 200 and self.guard.verifier is not None:
+            self.guard.verifier.submit(request.path, forwarded)
+
+
+class BypassGuard:
+    """The guard: breaker, forwarding server, verdict sources and signals."""
+
+    def __init__(self, cfg: GuardConfig, verifier_factory: Any = None,
+                 bypass_supported: bool = True, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.model = cfg.model
+        self.bypass_supported = bypass_supported
+        self.metrics = metrics or Metrics(ENGINE, cfg.model or "unknown")
+        self.metrics.register(S.GUARD_SIGNALS)
+        self.breaker = BypassBreaker(cfg.breaker, self._transition)
+        for st in State:
+            self.metrics.gauge(S.GUARD_STATE, state=st.value).set(int(st is State.CLOSED))
+        for r in Route:
+            self.metrics.inc(S.GUARD_REQUESTS, 0, route=r.value)
+        self.metrics.gauge(S.GUARD_BYPASS_SUPPORTED).set(int(bypass_supported))
+        self.verifier = verifier_factory(self._on_verdict) if verifier_factory else None
+        self.server = ForwardServer(
+            cfg.upstream, cfg.listen, cfg.limits, GuardApp(self), name="kvsidecar-guard",
+            on_refused=lambda status: self.metrics.inc(S.PROXY_REFUSED, status=str(status)))
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._status_seen: tuple[int, int] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def count(self, route: Route) -> None:
+        self.metrics.inc(S.GUARD_REQUESTS, route=route.value)
+
+    def _transition(self, was: State, to: State, source: Source) -> None:
+        self.metrics.gauge(S.GUARD_STATE, state=was.value).set(0)
+        self.metrics.gauge(S.GUARD_STATE, state=to.value).set(1)
+        self.metrics.inc(S.GUARD_TRANSITIONS, to=to.value, source=source.value)
+
+    def _on_verdict(self, anomalous: bool) -> None:
+        if anomalous:
+            self.breaker.anomaly(Source.LOCAL)
+        else:
+            self.breaker.clean(Source.LOCAL)
+
+    def status(self) -> dict[str, Any]:
+        m = self.metrics
+        return {"state": self.breaker.current().value, "clean_probes": self.breaker.clean_probes,
+                "probes_to_close": self.cfg.breaker.probes,
+                "bypass_supported": self.bypass_supported,
+                "requests": {r.value: int(m.value(S.GUARD_REQUESTS.name, route=r.value))
+                             for r in Route},
+                "transitions": [[a.value, b.value, s.value]
+                                for a, b, s in self.breaker.transitions[-16:]],
+                "proxy": dict(self.server.stats),
+                "refused": {str(k): v for k, v in self.server.rejected.items()},
+                "verifier": dict(self.verifier.stats) if self.verifier else None}
+
+    def start(self) -> BypassGuard:
+        if self.verifier is not None:
+            self.verifier.start()
+        self.server.start()
+        if self.cfg.sidecar_status:
+            self.poll_status()  # the baseline: what the sidecar counted before the guard
+            self._poller = threading.Thread(target=self._poll_loop, daemon=True,
+                                            name="kvsidecar-guard-status")
+            self._poller.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        if self.verifier is not None:
+            self.verifier.stop()
+        if self._poller is not None:
+            self._poller.join(timeout=10)
+
+    # ------------------------------------------------------------- a sidecar's /status
+    def poll_status(self) -> None:
+        """One read of the sidecar's /status: new anomalies open, new clean verdicts count."""
+        url = self.cfg.sidecar_status
+        assert url, "poll_status needs sidecar_status"
+        headers = {"Authorization": f"Bearer {self.cfg.sidecar_token}"} \
+            if self.cfg.sidecar_token else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                        timeout=min(self.cfg.poll_every_s, 10.0)) as r:
+                raw = r.read(STATUS_MAX_BYTES + 1)
+            if len(raw) > STATUS_MAX_BYTES:
+                raise ValueError("answer too large")
+            body = json.loads(raw)
+            seen = (int(body["anomalies"]), int(body["verified"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("guard: cannot read %s: %s", url, exc)
+            return
+        last, self._status_seen = self._status_seen, seen
+        if last is None:
+            return
+        new_anomalies, new_verified = seen[0] - last[0], seen[1] - last[1]
+        if new_anomalies > 0:
+            self.breaker.anomaly(Source.SIDECAR)
+        elif new_verified > 0:
+            self.breaker.clean(Source.SIDECAR, new_verified)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.cfg.poll_every_s):
+            self.poll_status()
