@@ -96,7 +96,7 @@ def dashboards_libsonnet() -> str:
 MIXIN_LIBSONNET = """\
 // kv-sidecar monitoring mixin (kubernetes-mixin layout):
 //   prometheusAlerts, prometheusRules, grafanaDashboards, and _config (selectors, thresholds).
-// Override the selector with: (import 'mixin.libsonnet') + {_config+:: {kvSidecarSelector: 'job="x"'}}
+// Re-target: (import 'mixin.libsonnet') + {_config+:: {kvSidecarSelector: 'job="x"'}}
 (import 'config.libsonnet') +
 (import 'alerts.libsonnet') +
 (import 'rules.libsonnet') +
