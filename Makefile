@@ -1,6 +1,6 @@
 # kv-sidecar: two commands do all the set-up on a fresh machine.
 #   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
-#   make test   - build .venv (and .venv-vllm, .venv-lmcache), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM and LMCache tests
+#   make test   - build .venv (and .venv-vllm, .venv-lmcache), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM, LMCache and Kubernetes-manifest tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache bench stack clean
+.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache test-deploy bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -24,11 +24,11 @@ demo: venv
 	$(VENV)/bin/kv-sidecar demo --fault $(FAULT) $(DEMO_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check sidecar tests dashboards alerts examples
+	$(VENV)/bin/ruff check sidecar tests dashboards alerts examples deploy
 	$(VENV)/bin/mypy sidecar
 
 test-unit: venv
-	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache" tests
+	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache and not deploy" tests
 
 test-e2e: venv
 	bash scripts/test-e2e.sh
@@ -44,7 +44,11 @@ test-vllm: venv
 test-lmcache:
 	bash scripts/test-lmcache.sh
 
-test: lint test-unit test-lean test-e2e test-vllm test-lmcache
+# Kubernetes manifests, operator resources and the mixin, offline (scripts/test-deploy.sh).
+test-deploy: venv
+	bash scripts/test-deploy.sh
+
+test: lint test-unit test-lean test-e2e test-vllm test-lmcache test-deploy
 
 # Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
 stack: venv

@@ -67,6 +67,9 @@ def add_parser(sub: Any) -> None:
                         "resends prompts the server may have cached since)")
     c.add_argument("--port", type=_port, default=None,
                    help="serve the canary's /metrics on this 127.0.0.1 port (0: any)")
+    c.add_argument("--host", default="127.0.0.1",
+                   help="address the /metrics server binds (default 127.0.0.1; 0.0.0.0 in a "
+                        "pod, so Prometheus can scrape it: deploy/kubernetes)")
     c.add_argument("--replay-port", type=_port, default=None,
                    help="also run the replay proxy on this 127.0.0.1 port (0: any)")
     c.add_argument("--replay-every", type=_positive, default=100,
@@ -161,7 +164,8 @@ def _run(args: argparse.Namespace) -> int:
             from sidecar.server import SidecarServer
 
             srv = SidecarServer(canary.exporter.metrics.registry,
-                                lambda: canary.report.as_dict(), port=args.port).start()
+                                lambda: canary.report.as_dict(), host=args.host,
+                                port=args.port).start()
             servers.append(srv)
             print(f"canary /metrics on {srv.url}/metrics", file=sys.stderr, flush=True)
         if args.replay_port is not None:

@@ -1,0 +1,220 @@
+"""Every kustomization renders; every object validates against the Kubernetes schemas of the
+oldest and newest supported versions (core) or kv-sidecar's CRD schemas (operator); the pod
+is wired as the README says; and a misspelt field fails validation."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.adapters.vllm import cli as vllm_cli
+from tests.deploy.tools import (
+    KUBE,
+    KUSTOMIZATIONS,
+    OLDEST_SUPPORTED,
+    check_jsonschema,
+    core_objects,
+    kubernetes_validate,
+    kustomize,
+    pod_spec,
+)
+
+pytestmark = pytest.mark.deploy
+
+
+def _versions() -> tuple[str, str]:
+    return OLDEST_SUPPORTED, str(kubernetes_validate().latest_version())
+
+
+def _core_errors(objects: list[dict[str, Any]]) -> list[str]:
+    kv = kubernetes_validate()
+    errors = []
+    for version in _versions():
+        for obj in core_objects(objects):
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as exc:
+                errors.append(f"{version} {obj['kind']}/{obj['metadata']['name']}: "
+                              f"{str(exc).splitlines()[0]}")
+    return errors
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_every_kustomization_renders_and_validates(path: str, tmp_path: Path) -> None:
+    objects = kustomize(path)
+    assert objects
+    assert _core_errors(objects) == []
+    assert check_jsonschema(objects, tmp_path) == {}
+
+
+def test_the_oldest_schemas_without_native_sidecars_reject_the_pod() -> None:
+    """Why 1.29 is the floor: before 1.28 a container had no restartPolicy."""
+    kv = kubernetes_validate()
+    deployment = next(o for o in kustomize("base") if o["kind"] == "Deployment")
+    with pytest.raises(kv.ValidationError, match="restartPolicy"):
+        kv.validate(deployment, "1.27", strict=True)
+
+
+def test_a_misspelt_restart_policy_fails_validation(tmp_path: Path) -> None:
+    """Mutation: one misspelt key in the source manifest; kustomize still renders it (it
+    does not validate), the schema check names it."""
+    shutil.copytree(KUBE, tmp_path / "kubernetes")
+    manifest = tmp_path / "kubernetes" / "base" / "deployment.yaml"
+    text = manifest.read_text()
+    manifest.write_text(text.replace("restartPolicy: Always", "restartPolcy: Always"))
+    errors = _core_errors(kustomize("base", root=tmp_path / "kubernetes"))
+    assert errors and all("'restartPolcy' was unexpected" in e for e in errors), errors
+    assert len(errors) == 2  # the oldest and the newest schemas both refuse it
+
+
+@pytest.mark.parametrize(("kind", "mutate", "expect"), [
+    ("PodMonitor", lambda s: s["podMetricsEndpoints"][0].update(portt="metrics"), "portt"),
+    ("PrometheusRule", lambda s: s["groups"][1]["rules"][0].update({"for": "15 minutes"}),
+     "15 minutes"),
+    ("AlertmanagerConfig", lambda s: s["route"]["routes"][0]["matchers"][0].update(
+        matchType="=="), "=="),
+])
+def test_a_wrong_operator_field_fails_its_schema(kind: str, mutate: Any, expect: str,
+                                                 tmp_path: Path) -> None:
+    obj = copy.deepcopy(next(o for o in kustomize("monitoring") if o["kind"] == kind))
+    mutate(obj["spec"])
+    failures = check_jsonschema([obj], tmp_path)
+    assert list(failures) == [f"{kind}/kv-sidecar"]
+    assert expect in failures[f"{kind}/kv-sidecar"]
+
+
+def _container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        if c["name"] == name:
+            return dict(c)
+    raise AssertionError(f"no container {name}")
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def test_vllm_pod_wiring_matches_engine_args_and_the_sidecar() -> None:
+    spec = pod_spec(kustomize("base"))
+    sidecar, engine = _container(spec, "kv-sidecar"), _container(spec, "engine")
+    assert sidecar["restartPolicy"] == "Always"
+    assert [c["name"] for c in spec["initContainers"]] == ["install-probe", "kv-sidecar"]
+    s, e = _flags(sidecar["args"]), _flags(engine["args"])
+    for key in ("model", "served-model-name", "dtype", "block-size"):
+        assert s[key] == e[key], key
+    # The engine's probe/event flags are exactly what `kv-sidecar vllm engine-args` prints.
+    ns = vllm_cli.parser().parse_args(["engine-args", "--probe", s["probe"], "--events",
+                                       s["events"], "--replay", s["replay"],
+                                       "--sample-every", "100"])
+    printed = _capture(lambda: vllm_cli._engine_args(ns))
+    assert engine["args"][-4:] == shlex.split(printed)
+    # The sockets live on one volume both containers mount; the probe on PYTHONPATH.
+    mounts = {c: {m["name"]: m["mountPath"] for m in _container(spec, c)["volumeMounts"]}
+              for c in ("kv-sidecar", "engine", "install-probe")}
+    assert mounts["kv-sidecar"]["ipc"] == mounts["engine"]["ipc"] == "/run/kv-sidecar"
+    assert s["probe"].startswith("ipc:///run/kv-sidecar/")
+    target = _container(spec, "install-probe")["command"][-1]
+    assert mounts["install-probe"]["probe-python"] == target == \
+        mounts["engine"]["probe-python"]
+    assert {"name": "PYTHONPATH", "value": target} in engine["env"]
+    assert {"name": "metrics", "containerPort": int(s["port"])} in sidecar["ports"]
+    assert s["host"] == "0.0.0.0"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # Probes: the sidecar's on /healthz (startup gates the engine), no readiness of its own.
+    for probe in ("startupProbe", "livenessProbe"):
+        assert sidecar[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert "readinessProbe" not in sidecar
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def _capture(fn: Any) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        fn()
+    return out.getvalue().strip()
+
+
+@pytest.mark.parametrize("path", ["base", "overlays/sglang", "overlays/guard"])
+def test_every_container_is_restricted(path: str) -> None:
+    for obj in kustomize(path):
+        if obj["kind"] != "Deployment":
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["seccompProfile"]["type"] == "RuntimeDefault"
+        assert spec["automountServiceAccountToken"] is False
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            sc = c["securityContext"]
+            where = f"{path} {obj['metadata']['name']}/{c['name']}"
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert "requests" in c["resources"], where
+
+
+def test_sglang_overlay_runs_the_canary_on_the_metrics_port() -> None:
+    objects = kustomize("overlays/sglang")
+    spec = pod_spec(objects)
+    assert not spec.get("initContainers")
+    engine, canary = _container(spec, "engine"), _container(spec, "kv-sidecar-canary")
+    assert engine["command"][-1] == "sglang.launch_server"
+    assert "--enable-metrics" in engine["args"]
+    port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
+    flags = _flags(canary["command"])
+    assert flags["endpoint"] == f"http://127.0.0.1:{port}/v1"
+    assert {"name": "metrics", "containerPort": int(flags["port"])} in canary["ports"]
+    assert {v["name"] for v in spec["volumes"]}.isdisjoint({"ipc", "probe-python"})
+    # The canary's command parses: the flags are the real CLI's.
+    from sidecar.cli import build_parser
+
+    ns = build_parser().parse_args(["canary", *canary["command"][3:]])
+    assert ns.host == "0.0.0.0" and ns.port == int(flags["port"])
+
+
+def test_guard_overlay_puts_a_service_in_front_of_the_engine() -> None:
+    objects = kustomize("overlays/guard")
+    spec = pod_spec(objects, "guard")
+    guard = _container(spec, "guard")
+    assert guard["command"] == ["kv-sidecar", "guard"]
+    flags = _flags(guard["args"])
+    assert flags["upstream"] == "http://engine:8000"
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    assert services["guard"]["spec"]["selector"]["app.kubernetes.io/component"] == "guard"
+    assert services["guard"]["spec"]["ports"][0]["targetPort"] == "http"
+    assert flags["listen"].endswith(":8080")
+
+
+def test_probe_install_copies_an_importable_probe(tmp_path: Path) -> None:
+    """What the install-probe init container runs: afterwards a Python with the copy on
+    PYTHONPATH (as vLLM's container has it) imports the probe's modules and msgpack from
+    the copy, not from wherever kv-sidecar happens to be installed."""
+    spec = pod_spec(kustomize("base"))
+    command = _container(spec, "install-probe")["command"]
+    assert command[:3] == ["python", "-m", "sidecar.adapters.vllm.probe_install"]
+    dest = tmp_path / "python"
+    assert subprocess.run([sys.executable, *command[1:-1], str(dest)],
+                          timeout=120).returncode == 0
+    # The probe's wire codec: msgpack beyond what vLLM brings (torch).
+    code = ("import msgpack, sidecar.adapters.vllm.wire as w; print(w.__file__); "
+            "print(msgpack.__file__); print(msgpack.unpackb(msgpack.packb([1, 'a'])))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(dest)}, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(str(dest)) and lines[1].startswith(str(dest)), lines
+    assert lines[2] == "[1, 'a']"
+    # A second run replaces the copy whole (no stale modules of an older version remain).
+    (dest / "sidecar" / "stale_module.py").write_text("")
+    assert subprocess.run([sys.executable, *command[1:-1], str(dest)],
+                          timeout=120).returncode == 0
+    assert not (dest / "sidecar" / "stale_module.py").exists()
