@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 SOURCES = ("default", "file", "env", "flag")  # lowest precedence first
 # KVSIDECAR_* variables that are not configuration keys (read by their own code).
 RESERVED_ENV = frozenset({"KVSIDECAR_CONFIG", "KVSIDECAR_TOKEN",
-                          "KVSIDECAR_REQUIRE_PROMETHEUS"})
+                          "KVSIDECAR_REQUIRE_PROMETHEUS",
+                          "KVSIDECAR_SGLANG_TAP"})  # the SGLang tap's, in the engine
 CONFIG_ENV = "KVSIDECAR_CONFIG"  # the config file when no --config is given
 
 

@@ -122,6 +122,20 @@ class AllocatorHealth:
             self._report(new, request_index)
         return new
 
+    def observe_found(self, source: str, found: list[Violation],
+                      request_index: int) -> list[Violation]:
+        """One check an adapter ran itself on the engine's own structures (SGLang's slot
+        census, :mod:`sidecar.adapters.sglang.census`): counted, de-duplicated against the
+        previous check of the same ``source`` and reported like a poll's violations."""
+        new = self._fresh(source, found)
+        self.checks += 1
+        self.metrics.inc(S.INVARIANT_CHECKS)
+        if new:
+            if self.first_violation_request is None:
+                self.first_violation_request = request_index
+            self._report(new, request_index)
+        return new
+
     def _fresh(self, source: str, found: list[Violation]) -> list[Violation]:
         """Count and return the violations of ``found`` not seen at the previous poll."""
         before = self._active.get(source, set())

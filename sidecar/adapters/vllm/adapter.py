@@ -42,7 +42,8 @@ VLLM_KEY_FIELDS = ("parent_hash", "token_ids", "lora", "mm_items", "cache_salt",
 def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     """A probe capture as the Monitor takes it: the lookup (with its hit) and the captured
     blocks, for :meth:`sidecar.monitor.Monitor.on_captured`."""
-    hit = Hit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks)
+    hit = Hit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks,
+              key_fields=cap.key_fields)
     blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v)
               for (g, i), (k, v) in sorted(cap.kv.items())]
     return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks

@@ -3,7 +3,9 @@
 It turns probe messages into calls: ``lookups`` and sampled ``capture`` messages into
 ``on_lookup``-style callbacks (the caller forwards them to the Monitor), reference captures
 into the result of the engine-side recompute that asked for them (:meth:`expect`), and the
-``hello`` into a check that the engine is the one the sidecar was configured for.
+``hello`` into a check that the engine is the one the sidecar was configured for. Other
+kinds go to the ``handlers`` the owner names (SGLang's tap also sends stores, frees and a
+pool census over the same pipe); an unknown kind is a bad message.
 
 The socket is an ingest surface, so it is locked down: only ``ipc://`` paths (created 0600,
 owner only, and only under :data:`IPC_DIRS` unless told otherwise) or ``tcp://127.0.0.1``
@@ -20,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -74,7 +76,9 @@ class ProbeReceiver:
                  on_hello: Callable[[dict[str, Any]], None] | None = None,
                  context: zmq.Context | None = None,
                  ipc_dirs: tuple[str, ...] | None = None,
-                 groups: Iterable[int] | None = None) -> None:
+                 groups: Iterable[int] | None = None,
+                 handlers: Mapping[str, Callable[[dict[str, Any]], None]] | None = None
+                 ) -> None:
         check_endpoint(endpoint, IPC_DIRS if ipc_dirs is None else ipc_dirs)
         # Cache groups the engine has (describe()): a capture naming another is refused,
         # so a sender cannot choose the group label of what gets verified.
@@ -85,6 +89,7 @@ class ProbeReceiver:
         self.on_lookups = on_lookups
         self.on_capture = on_capture
         self.on_hello = on_hello
+        self.handlers = dict(handlers or {})
         self.hello: dict[str, Any] | None = None
         self.messages = 0
         self.bad_messages = 0
@@ -171,6 +176,8 @@ class ProbeReceiver:
                 self.hello = msg
                 if self.on_hello is not None:
                     self.on_hello(msg)
+            elif kind in self.handlers:
+                self.handlers[kind](msg)
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
             self.messages += 1

@@ -13,7 +13,9 @@ protocol's version) and ``kind``:
   reference recompute (``role="reference"``, tagged with the cache salt the sidecar chose):
   prompt tokens, hit length, block ids per group, and the K/V of the chosen blocks, as raw
   bytes. A recurrent-state group's block carries its state in K and an empty V, so V may
-  name its own shape (an 8th element; absent = K's shape).
+  name its own shape (an 8th element; absent = K's shape). An optional ``key_fields`` map
+  (str -> str) carries the request's own key fields (SGLang's tap sends its extra key and
+  cache salt), for the key check against what the block was stored under.
 
 Every message also carries ``src`` (which pipe sent it) and ``dropped`` (how many messages
 that pipe has dropped so far), so the sidecar can count what was lost on the way.
@@ -22,8 +24,8 @@ that pipe has dropped so far), so the sidecar can count what was lost on the way
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -140,6 +142,7 @@ class Capture:
     hit_tokens: int
     blocks: dict[int, list[int]]
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (group, index) -> K, V
+    key_fields: Mapping[str, str] = field(default_factory=dict)
 
     def block_kv(self, ref: BlockRef) -> BlockKV | None:
         kv = self.kv.get((ref.group_id, ref.index))
@@ -193,4 +196,19 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
         kv[(_int(g, "group", 0, 1023), _int(i, "block index"))] = (
             tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
-                   _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv)
+                   _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv,
+                   _key_fields(msg.get("key_fields")))
+
+
+MAX_KEY_FIELDS = 16
+
+
+def _key_fields(raw: Any) -> dict[str, str]:
+    """An optional capture's ``key_fields``: a small map of short strings."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_KEY_FIELDS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 1024
+            for k, v in raw.items()):
+        raise WireError("key_fields is not a small map of short strings")
+    return dict(raw)

@@ -1,0 +1,200 @@
+"""The radix-cache backend SGLang loads: the tree it would have built, with the tap on it.
+
+SGLang's public hook for a tree is ``register_radix_cache_backend(name, factory)`` plus
+``--radix-cache-backend NAME``; its general-plugin entry point (``sglang.srt.plugins``) runs
+:func:`register` in every SGLang process, so ``pip install kv-sidecar`` beside SGLang is the
+whole install. The factory builds exactly what SGLang's default selection chain builds
+(:func:`default_radix_cache_factory`: ``UnifiedRadixCache`` on its Rust core here) and
+wraps the hook methods of that one tree instance and its token-to-KV allocator: each
+wrapper calls SGLang's method and then tells :class:`.tap.SglangTap`. Wrapping on the
+instance (not a proxy object, not a subclass) keeps every ``isinstance(cache,
+UnifiedRadixCache)`` check in SGLang true and leaves each method's behaviour unchanged; no
+SGLang class or module is patched.
+
+Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
+
+* ``insert`` -> stores (the tree's own path slots after the insert, so a block's slots are
+  the ones a later match serves);
+* ``checkpoint`` (a request's first one, right after its prefill) -> the lookup, and for a
+  sampled hit the K/V of the chosen blocks, read while the request still holds them;
+  ``on_release`` forgets the request;
+* allocator ``alloc``/``free`` (also reached by eviction and by the tree's duplicate frees)
+  -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
+* every checkpoint, at most once per ``census_every_s``: the pool census.
+
+Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
+``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
+(100), ``blocks_per_sample`` (2), ``seed`` (0), ``census_every_s`` (1.0), ``pipe_hwm`` (256).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from sidecar.adapters.sglang.tap import SglangTap, key_fields
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "kv-sidecar"
+CONFIG_ENV = "KVSIDECAR_SGLANG_TAP"
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.23",)
+
+
+def tap_config() -> dict[str, Any]:
+    raw = os.environ.get(CONFIG_ENV)
+    if not raw:
+        raise ValueError(f"kv-sidecar's SGLang backend needs {CONFIG_ENV}, a JSON object "
+                         "with at least 'endpoint' (the sidecar's probe socket, e.g. "
+                         "ipc:///tmp/kvsidecar/sglang.sock)")
+    cfg = json.loads(raw)
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
+        raise ValueError(f"{CONFIG_ENV} must be a JSON object with a string 'endpoint'")
+    return cfg
+
+
+def check_sglang_version(found: str) -> None:
+    if found.split("+", 1)[0] not in SUPPORTED_SGLANG:
+        raise RuntimeError(f"kv-sidecar's SGLang backend supports SGLang "
+                           f"{', '.join(SUPPORTED_SGLANG)}, found {found}: it reads the "
+                           "tree's and the KV pool's private layout")
+
+
+def make_tap(ctx: Any) -> SglangTap:
+    import sglang
+
+    check_sglang_version(sglang.__version__)
+    cfg = tap_config()
+    params = ctx.params
+    if int(params.page_size) != 1:
+        raise ValueError("kv-sidecar's SGLang backend is tested with --page-size 1 only")
+    pool = params.token_to_kv_pool_allocator.get_kvcache()
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or not hasattr(pool, "k_buffer"):
+        raise ValueError(f"kv-sidecar's SGLang backend reads the NHD MHA pool, got "
+                         f"{type(pool).__name__} ({getattr(pool, 'kv_cache_layout', '?')})")
+    tap = SglangTap(cfg["endpoint"], int(cfg.get("block_size", 16)),
+                    int(cfg.get("sample_every", 100)), int(cfg.get("blocks_per_sample", 2)),
+                    int(cfg.get("seed", 0)), float(cfg.get("census_every_s", 1.0)),
+                    int(cfg.get("pipe_hwm", 256)))
+    tap.attach(pool, int(params.token_to_kv_pool_allocator.size), sglang.__version__,
+               str(getattr(ctx.model_config, "model_path", "")))
+    return tap
+
+
+def tapped_tree(ctx: Any) -> Any:
+    """The factory: SGLang's default tree for ``ctx``, tapped."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError("kv-sidecar's SGLang backend taps full-attention trees without "
+                         "HiCache only (SWA, Mamba and host tiers are not verified yet)")
+    tap = make_tap(ctx)
+    tree = default_radix_cache_factory(ctx)
+    return attach(tree, tap)
+
+
+def attach(tree: Any, tap: SglangTap) -> Any:
+    """Wrap ``tree``'s and its allocator's hook methods, on the instances, so they report
+    to ``tap``. Instance attributes shadow the class's methods, so SGLang's own calls
+    (``self.insert`` inside ``checkpoint``, ``self.free`` inside ``free_group_end``) go
+    through the wrappers too; the class, and every ``isinstance`` check, stay SGLang's."""
+    allocator = tree.token_to_kv_pool_allocator
+    alloc, free = allocator.alloc, allocator.free
+
+    def alloc_hook(need_size: int) -> Any:
+        out = alloc(need_size)
+        tap.allocated(out)
+        return out
+
+    def free_hook(free_index: Any) -> Any:
+        out = free(free_index)
+        if getattr(allocator, "free_group", None) is None:  # not deferred: freed now
+            tap.freed(free_index)
+        return out
+
+    allocator.alloc, allocator.free = alloc_hook, free_hook
+    insert, checkpoint, on_release = tree.insert, tree.checkpoint, tree.on_release
+
+    def insert_hook(params: Any) -> Any:
+        result = insert(params)
+        try:
+            key = params.key
+            if key is not None and not getattr(key, "is_bigram", False):
+                path = tree.path_device_indices(result.last_device_node)
+                tap.inserted(key.raw_token_ids(), path, int(result.prefix_len),
+                             key_fields(key.extra_key, key.cache_salt))
+        except Exception:
+            tap._failed("insert hook")
+        return result
+
+    def checkpoint_hook(req: Any, *, up_to: int, **kwargs: Any) -> Any:
+        try:
+            if req.rid not in tap._admitted:
+                hit = int(getattr(req, "cached_tokens", 0) or 0)
+                row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+                tap.admitted(req.rid, list(req.origin_input_ids), hit, row[:hit].to("cpu"),
+                             key_fields(req.extra_key, req.cache_salt))
+        except Exception:
+            tap._failed("checkpoint hook")
+        out = checkpoint(req, up_to=up_to, **kwargs)
+        _census(tree, tap)
+        return out
+
+    def on_release_hook(req: Any, *, checkpointed: bool) -> Any:
+        out = on_release(req, checkpointed=checkpointed)
+        try:
+            if req.rid not in tap._admitted:  # released without a checkpoint (aborted)
+                tap.admitted(req.rid, list(req.origin_input_ids), 0, _empty(),
+                             key_fields(req.extra_key, req.cache_salt))
+            tap.released(req.rid)
+        except Exception:
+            tap._failed("release hook")
+        _census(tree, tap)
+        return out
+
+    tree.insert, tree.checkpoint, tree.on_release = insert_hook, checkpoint_hook, on_release_hook
+    tree._kvs_tap = tap
+    return tree
+
+
+def _census(tree: Any, tap: SglangTap) -> None:
+    """The pool census, when due (SGLang's structures read on its own thread)."""
+    if not tap.census_due():
+        return
+    try:
+        allocator = tree.token_to_kv_pool_allocator
+        free = allocator.get_all_free_pages()
+        pending = getattr(allocator, "free_group", None)
+        if pending:  # frees SGLang holds until free_group_end: free already
+            import torch
+
+            free = torch.cat([free, *pending])
+        req_pool = tree.req_to_token_pool
+        idle = req_pool.available_size() == req_pool.size
+        tap.census(free, tree.all_values_flatten(), int(tree.evictable_size()),
+                   int(tree.protected_size()), idle)
+    except Exception:
+        tap._failed("census hook")
+
+
+def _empty() -> Any:
+    import torch
+
+    return torch.zeros(0, dtype=torch.int64)
+
+
+def register() -> None:
+    """SGLang general-plugin entry point: make ``--radix-cache-backend kv-sidecar`` known.
+    Never raises (a broken sidecar install must not stop SGLang unless it is selected)."""
+    try:
+        from sglang.srt.mem_cache.registry import (
+            register_radix_cache_backend,
+            registered_radix_cache_backends,
+        )
+
+        if BACKEND_NAME not in registered_radix_cache_backends():
+            register_radix_cache_backend(BACKEND_NAME, tapped_tree)
+    except Exception:
+        log.exception("kv-sidecar: could not register the SGLang radix-cache backend")

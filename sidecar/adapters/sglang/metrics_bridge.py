@@ -1,0 +1,72 @@
+"""SGLang's own ``/metrics`` (``--enable-metrics``), re-exported and audited.
+
+SGLang 0.5.23 exports no integrity signal; what the sidecar takes from it:
+
+==========================================  =============================================
+SGLang                                      sidecar
+==========================================  =============================================
+sglang:cache_hit_rate (gauge)               sglang_cache_hit_rate (as scraped; SGLang
+                                            overwrites it per prefill batch, so it is the
+                                            last batch's share, not a rate)
+sglang:cached_tokens_total (all sources)    sglang_cached_tokens, and
+                                            sglang_hit_tokens_discrepancy = |it - the hit
+                                            tokens the tap counted| (the audit)
+==========================================  =============================================
+
+Slot counts (``sglang:kv_used_tokens``, ``kv_evictable_tokens``, ``kv_available_tokens``)
+are not re-exported: the tap's census reads the same structures directly, and the
+sidecar's ``blocks{state}`` / ``usage_ratio`` come from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar import signals as S
+from sidecar.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def parse(text: str) -> dict[str, float]:
+    """The SGLang series the bridge reads, summed over SGLang's labels."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("sglang:cache_hit_rate", "sglang:cached_tokens_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+class SglangMetricsBridge:
+    def __init__(self, metrics: Metrics, url: str, counted: Callable[[], int],
+                 timeout_s: float = 2.0) -> None:
+        self.metrics = metrics
+        self.url = url
+        self.counted = counted
+        self.timeout_s = timeout_s
+        self.last: dict[str, Any] = {}
+
+    def poll(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
+                text = resp.read().decode("utf-8", "replace")
+            series = parse(text)
+        except Exception as exc:
+            self.metrics.inc(S.ENGINE_SCRAPE_ERRORS)
+            log.warning("cannot read SGLang's metrics at %s: %s", self.url, exc)
+            return self.last
+        counted = self.counted()
+        cached = series.get("sglang:cached_tokens_total", 0.0)
+        if "sglang:cache_hit_rate" in series:
+            self.metrics.gauge(S.SGLANG_CACHE_HIT_RATE).set(series["sglang:cache_hit_rate"])
+        self.metrics.gauge(S.SGLANG_CACHED_TOKENS).set(cached)
+        self.metrics.gauge(S.SGLANG_HIT_TOKENS_DISCREPANCY).set(abs(cached - counted))
+        self.last = {"cache_hit_rate": series.get("sglang:cache_hit_rate"),
+                     "cached_tokens": cached, "counted_hit_tokens": counted}
+        return self.last

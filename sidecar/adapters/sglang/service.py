@@ -1,0 +1,236 @@
+"""One SGLang server watched by one sidecar: the Monitor fed by the tap's pipe.
+
+* the probe pipe (:class:`sidecar.adapters.vllm.receiver.ProbeReceiver`, the same bounded
+  pipe and checks as vLLM's probe) -> ``Monitor.on_lookup`` / ``on_captured`` for lookups
+  and sampled hits, ``on_store`` / ``on_free`` for the tree's stores and frees, and the slot
+  census -> :mod:`.census` invariants -> the Monitor's allocator health;
+* SGLang's ``/metrics`` (optional) -> :mod:`.metrics_bridge`, read when the Monitor's poller
+  asks the adapter for the allocator state;
+* the Monitor verifies captures against :class:`sidecar.adapters.vllm.reference.HFReference`
+  (transformers on the checkpoint directory SGLang serves).
+
+Engine-side recompute: SGLang's requests take a ``cache_salt`` that namespaces the radix
+tree (``RadixKey.cache_salt``), so a salted ``/generate`` cannot hit the cache: the same
+trick as vLLM's engine reference would work. It is not wired yet; the HF reference is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from sidecar import signals as S
+from sidecar.adapters.sglang.census import Census, check_census, decode_census
+from sidecar.adapters.sglang.metrics_bridge import SglangMetricsBridge
+from sidecar.adapters.vllm.adapter import (
+    captured_hit,
+    engine_info_from_checkpoint,
+    hello_mismatches,
+)
+from sidecar.adapters.vllm.receiver import ProbeReceiver
+from sidecar.adapters.vllm.wire import Capture, WireError
+from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.protocol import (
+    AdapterError,
+    AllocatorState,
+    BlockKV,
+    BlockRef,
+    CacheGroup,
+    EngineInfo,
+    GroupKind,
+    Hit,
+    Lookup,
+    StoredBlock,
+)
+from sidecar.verifier import Verdict
+
+log = logging.getLogger(__name__)
+
+SGLANG_KEY_FIELDS = ("extra_key", "cache_salt")  # what RadixKey namespaces by
+MAX_STORES = 65_536  # per message
+
+
+@dataclass
+class SglangSidecarConfig:
+    model_dir: str
+    dtype: str
+    block_size: int = 16
+    probe_endpoint: str = ""
+    metrics_url: str | None = None
+    reference: str = "hf"  # "hf" or "none"
+    deferred: bool = False
+    allocator_every_s: float = 2.0
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+
+
+def engine_info(model_dir: str, dtype: str, block_size: int) -> EngineInfo:
+    base = engine_info_from_checkpoint(model_dir, dtype, block_size)
+    layers = tuple(sorted({i for g in base.groups for i in g.layers}))
+    return dataclasses.replace(
+        base, engine="sglang", key_fields=SGLANG_KEY_FIELDS,
+        groups=(CacheGroup(0, GroupKind.FULL_ATTENTION, layers, name="full"),))
+
+
+class SglangAdapter:
+    """The Monitor's view of SGLang: captures come in at match time (``reread = False``),
+    the allocator state from the last slot census."""
+
+    reread = False
+    reference_kind = "independent"
+
+    def __init__(self, info: EngineInfo, reference: Any | None,
+                 bridge: SglangMetricsBridge | None = None) -> None:
+        self.info = info
+        self.reference = reference
+        self.bridge = bridge
+        self.census: Census | None = None
+        self.alloc_failures = 0
+
+    def describe(self) -> EngineInfo:
+        return self.info
+
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        raise AdapterError("SGLang slots are only read at match time, by the tap")
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        if self.reference is None:
+            raise AdapterError("no recompute reference configured")
+        return list(self.reference.recompute(hit, refs))
+
+    def allocator(self) -> AllocatorState | None:
+        if self.bridge is not None:
+            self.bridge.poll()
+        c = self.census
+        if c is None:
+            return None
+        return dataclasses.replace(c.state(), allocation_failures=self.alloc_failures)
+
+
+class SglangSidecar:
+    def __init__(self, cfg: SglangSidecarConfig,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.info = engine_info(cfg.model_dir, cfg.dtype, cfg.block_size)
+        self.adapter = SglangAdapter(self.info, None)
+        sidecar_cfg = dataclasses.replace(
+            cfg.sidecar, allocator_every_s=cfg.allocator_every_s,
+            dispatch="deferred" if cfg.deferred else cfg.sidecar.dispatch)
+        self.monitor = Monitor(self.adapter, sidecar_cfg, registry, info=self.info)
+        self.metrics = self.monitor.metrics
+        self.metrics.register(S.SGLANG_SIGNALS)
+        self.counted_hit_tokens = 0
+        self.tap_errors = 0
+        self.census_checks = 0
+        self.engine_mismatches: list[str] = []
+        if cfg.metrics_url:
+            self.adapter.bridge = SglangMetricsBridge(
+                self.metrics, cfg.metrics_url, lambda: self.counted_hit_tokens)
+        if cfg.reference == "hf":
+            from sidecar.adapters.vllm.reference import HFReference
+
+            self.adapter.reference = HFReference(cfg.model_dir, self.info)
+        elif cfg.reference != "none":
+            raise ValueError(f"unknown reference {cfg.reference!r}: use hf or none")
+        self.receiver = ProbeReceiver(
+            cfg.probe_endpoint, self.metrics, self._on_lookups, self._on_capture,
+            self._on_hello, groups=[0],
+            handlers={"stores": self._on_stores, "frees": self._on_frees,
+                      "census": self._on_census, "alloc_failed": self._on_alloc_failed})
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> SglangSidecar:
+        self.receiver.start()
+        self.monitor.start()
+        return self
+
+    def stop(self) -> None:
+        self.receiver.stop()
+        self.monitor.stop()
+
+    # ------------------------------------------------------------------ tap messages
+    def _on_lookups(self, items: list[tuple[int, int]]) -> None:
+        for q, h in items:
+            self.counted_hit_tokens += max(h, 0)
+            self.monitor.on_lookup(Lookup(q, h))
+
+    def _on_capture(self, cap: Capture) -> None:
+        lookup, blocks = captured_hit(cap)
+        self.counted_hit_tokens += cap.hit_tokens
+        self.monitor.on_captured(lookup, blocks)
+
+    def _on_stores(self, msg: dict[str, Any]) -> None:
+        items = msg.get("items")
+        if not isinstance(items, list) or len(items) > MAX_STORES:
+            raise WireError("stores is not a bounded list")
+        for item in items:
+            if not isinstance(item, list) or len(item) != 5:
+                raise WireError("a store is not [block, prefix, tokens, digest, fields]")
+            block_id, lo, tokens, digest, fields = item
+            if not isinstance(fields, dict):
+                raise WireError("store key fields are not a map")
+            self.monitor.on_store(StoredBlock(
+                0, block_id, 0, tuple(tokens) if isinstance(tokens, list) else tokens, lo,
+                {str(k): str(v) for k, v in list(fields.items())[:16]},
+                prefix_digest=digest))
+
+    def _on_frees(self, msg: dict[str, Any]) -> None:
+        ids = msg.get("ids")
+        if not isinstance(ids, list):
+            raise WireError("frees is not a list")
+        self.monitor.on_free(0, ids)
+
+    def _on_alloc_failed(self, msg: dict[str, Any]) -> None:
+        n = msg.get("n")
+        if type(n) is int and 0 < n <= 1 << 20:
+            self.adapter.alloc_failures += n
+
+    def _on_census(self, msg: dict[str, Any]) -> None:
+        census = decode_census(msg)
+        self.adapter.census = census
+        if census.tap_errors > self.tap_errors:
+            self.metrics.inc(S.HOOK_ERRORS, census.tap_errors - self.tap_errors,
+                             hook="sglang_tap")
+            self.tap_errors = census.tap_errors
+        self.census_checks += 1
+        self.monitor.allocator_health.observe_found(
+            "sglang_census", check_census(census), self.monitor.requests_done)
+
+    def _on_hello(self, hello: dict[str, Any]) -> None:
+        self.engine_mismatches = hello_mismatches(self.info, hello)
+        if self.engine_mismatches:
+            log.error("the SGLang server is not the one the sidecar was configured for: %s",
+                      "; ".join(self.engine_mismatches))
+        else:
+            log.info("SGLang %s tap connected (%s, %s, block %d, %s slots)",
+                     hello.get("sglang"), hello.get("model"), hello.get("dtype"),
+                     hello.get("block_size"), hello.get("slots"))
+
+    # ------------------------------------------------------------------ tests, CLI
+    def quiesce(self, idle_s: float = 0.5, timeout_s: float = 10.0) -> None:
+        """Wait until the tap has been silent for ``idle_s`` (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if time.monotonic() - self.receiver.last_message_at >= idle_s:
+                return
+            time.sleep(idle_s / 3)
+
+    def verify_pending(self) -> list[Verdict]:
+        self.quiesce()
+        return self.monitor.verify_pending()
+
+    def summary(self) -> dict[str, Any]:
+        out = self.monitor.summary()
+        out["probe_messages"] = self.receiver.messages
+        out["bad_probe_messages"] = self.receiver.bad_messages
+        out["engine_mismatches"] = self.engine_mismatches
+        out["census_checks"] = self.census_checks
+        out["counted_hit_tokens"] = self.counted_hit_tokens
+        if self.adapter.bridge is not None:
+            out["sglang_metrics"] = self.adapter.bridge.last
+        return out

@@ -1,0 +1,221 @@
+"""The in-engine half: what the tapped radix tree and allocator report, as pipe messages.
+
+Runs inside SGLang's scheduler process, on its thread, from the hooks of
+:mod:`.backend`. It imports torch and the sidecar's pipe/wire/sampling modules, never SGLang,
+so it is testable with plain tensors. Every public method is best-effort: an exception is
+logged and counted (it rides on the next message as ``tap_errors``), never raised into
+SGLang. What it sends, in the order things happened (one PUSH socket keeps that order, so a
+store always reaches the sidecar before a hit that names it):
+
+* ``hello``: block size, dtype, KV heads, head dim, layers, SGLang version;
+* ``stores``: ``[[block_id, prefix_tokens, tokens, prefix_digest, key_fields], ...]`` for the
+  full blocks an insert added to the tree;
+* ``frees``: block ids whose last slot went back to the allocator (evicted, or freed);
+* ``lookups`` / ``capture``: one lookup per admitted request (what SGLang itself counts as
+  the request's cached tokens), and for 1 in ``sample_every`` hits the K/V of the chosen
+  blocks, copied while the request still holds them;
+* ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
+  tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
+  invariant checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from sidecar.adapters.vllm.pipe import Pipe
+from sidecar.adapters.vllm.wire import capture_fields
+from sidecar.checks.keys import token_digest
+from sidecar.protocol import Hit
+from sidecar.sampling import UniformSampler
+
+log = logging.getLogger(__name__)
+
+_MAX_TRACKED = 10_000  # requests admitted and not yet released (bounded memory)
+
+
+def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
+    """The request's own values of what SGLang's radix key namespaces by."""
+    return {"extra_key": str(extra_key or ""), "cache_salt": str(cache_salt or "")}
+
+
+def bitmap(slots: torch.Tensor, size: int) -> bytes:
+    """``slots`` (ids in ``[0, size)``) as a packed bitmap of ``size`` bits."""
+    bits = np.zeros(size, dtype=bool)
+    if slots.numel():
+        bits[slots.detach().cpu().numpy().astype(np.int64)] = True
+    return bytes(np.packbits(bits).tobytes())
+
+
+class SglangTap:
+    """See the module docstring. ``pool`` is SGLang's ``MHATokenToKVPool`` (per-layer
+    ``k_buffer``/``v_buffer`` of shape ``(slots, kv_heads, head_dim)``)."""
+
+    def __init__(self, endpoint: str, block_size: int, sample_every: int = 100,
+                 blocks_per_sample: int = 2, seed: int = 0, census_every_s: float = 1.0,
+                 pipe_hwm: int = 256) -> None:
+        self.block_size = block_size
+        self.blocks_per_sample = blocks_per_sample
+        self.census_every_s = census_every_s
+        self.sampler = UniformSampler(sample_every, seed)
+        self._rng = random.Random(seed)
+        self.pipe = Pipe(endpoint, pipe_hwm)
+        self.errors = 0
+        self._admitted: OrderedDict[str, None] = OrderedDict()
+        self._lookups: list[list[int]] = []
+        self._next_census = 0.0
+        self.pool: Any = None
+        self.size = 0
+        self._is_block = torch.zeros(0, dtype=torch.bool)  # slot -> names a stored block
+        self._allocated = torch.zeros(0, dtype=torch.bool)  # slot -> handed out, not freed
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, pool: Any, size: int, engine_version: str, model: str) -> None:
+        self.pool = pool
+        self.size = int(size) + 1  # SGLang's slot 0 is a padding slot; ids are 1..size
+        self._is_block = torch.zeros(self.size, dtype=torch.bool)
+        self._allocated = torch.zeros(self.size, dtype=torch.bool)
+        k0 = pool.k_buffer[0]
+        self.pipe.send_message(
+            "hello", sglang=engine_version, model=model,
+            dtype=str(k0.dtype).removeprefix("torch."), block_size=self.block_size,
+            kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
+            groups={0: list(range(len(pool.k_buffer)))}, group_kinds={0: "full_attention"},
+            slots=int(size))
+
+    def _failed(self, what: str) -> None:
+        self.errors += 1
+        log.exception("kv-sidecar sglang tap: %s failed (ignored)", what)
+
+    # ------------------------------------------------------------------ tree events
+    def inserted(self, token_ids: Sequence[int], path_slots: torch.Tensor, prefix_len: int,
+                 fields: dict[str, str]) -> None:
+        """An insert that found ``prefix_len`` tokens already in the tree: the full blocks
+        ending past it are new. ``path_slots`` are the tree's slots for the whole key."""
+        try:
+            bs = self.block_size
+            n = min(len(token_ids), int(path_slots.numel())) // bs * bs
+            if n <= 0 or n <= prefix_len:
+                return
+            slots = path_slots[:n].tolist()
+            items = []
+            digest: int | None = None
+            for lo in range(0, n, bs):
+                block_tokens = [int(t) for t in token_ids[lo:lo + bs]]
+                before = digest
+                digest = token_digest(digest, block_tokens)
+                if lo + bs - 1 < prefix_len:
+                    continue
+                block_id = int(slots[lo + bs - 1])
+                items.append([block_id, lo, block_tokens, before, fields])
+            if items:
+                ids = torch.tensor([i[0] for i in items], dtype=torch.int64)
+                self._is_block[ids] = True
+                self.pipe.send_message("stores", items=items)
+        except Exception:
+            self._failed("insert")
+
+    def admitted(self, rid: str, prompt: Sequence[int], hit_tokens: int,
+                 prefix_slots: torch.Tensor, fields: dict[str, str]) -> None:
+        """A request's first checkpoint (its prefill ran on ``hit_tokens`` cached tokens,
+        whose slots it still holds): one lookup, or a sampled capture."""
+        try:
+            if rid in self._admitted:
+                return
+            if len(self._admitted) >= _MAX_TRACKED:
+                self._admitted.popitem(last=False)
+            self._admitted[rid] = None
+            bs = self.block_size
+            n_full = min(hit_tokens, int(prefix_slots.numel())) // bs
+            slots = prefix_slots[:n_full * bs]
+            hit = Hit(tokens=list(prompt[:n_full * bs]), hit_tokens=n_full * bs,
+                      blocks={0: [int(s) for s in slots[bs - 1::bs].tolist()]},
+                      key_fields=fields)
+            if n_full > 0 and self.sampler.should_sample(hit):
+                refs = self.sampler.choose(hit, bs, self.blocks_per_sample)
+                kv = [(0, r.index, r.block_id, *self._read(slots[r.index * bs:
+                                                              (r.index + 1) * bs]))
+                      for r in refs]
+                self._flush_lookups()
+                self.pipe.send_message("capture", key_fields=fields, **capture_fields(
+                    f"{rid}"[:200], "hit", None, prompt[:hit_tokens], len(prompt),
+                    hit_tokens, {0: list(hit.blocks[0])}, kv))
+            else:
+                self._lookups.append([len(prompt), int(hit_tokens)])
+                if len(self._lookups) >= 64:
+                    self._flush_lookups()
+        except Exception:
+            self._failed("admit")
+
+    def released(self, rid: str) -> None:
+        self._admitted.pop(rid, None)
+
+    def _read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` for every layer, as (layers, kv_heads, tokens, head_dim)."""
+        idx = slots.to(self.pool.k_buffer[0].device)
+        k = torch.stack([buf[idx] for buf in self.pool.k_buffer]).transpose(1, 2)
+        v = torch.stack([buf[idx] for buf in self.pool.v_buffer]).transpose(1, 2)
+        return k.contiguous().cpu(), v.contiguous().cpu()
+
+    def _flush_lookups(self) -> None:
+        if self._lookups:
+            items, self._lookups = self._lookups, []
+            self.pipe.send_message("lookups", items=items)
+
+    # ------------------------------------------------------------------ allocator events
+    def allocated(self, slots: torch.Tensor | None) -> None:
+        try:
+            if slots is None:
+                self.pipe.send_message("alloc_failed", n=1)
+                return
+            self._allocated[slots.reshape(-1).cpu()] = True
+        except Exception:
+            self._failed("alloc")
+
+    def freed(self, slots: torch.Tensor) -> None:
+        try:
+            idx = slots.reshape(-1).cpu().to(torch.int64)
+            if not idx.numel():
+                return
+            self._allocated[idx] = False
+            ids = idx[self._is_block[idx]]
+            if ids.numel():
+                self._is_block[ids] = False
+                self._flush_lookups()
+                self.pipe.send_message("frees", ids=[int(i) for i in ids.tolist()])
+        except Exception:
+            self._failed("free")
+
+    # ------------------------------------------------------------------ census
+    def census_due(self) -> bool:
+        return time.monotonic() >= self._next_census
+
+    def census(self, free_slots: torch.Tensor, tree_slots: torch.Tensor, evictable: int,
+               protected: int, idle: bool) -> None:
+        """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic)."""
+        try:
+            self._next_census = time.monotonic() + self.census_every_s
+            self._flush_lookups()
+            free = free_slots.reshape(-1).cpu().to(torch.int64)
+            tree = tree_slots.reshape(-1).cpu().to(torch.int64)
+            self.pipe.send_message(
+                "census", total=self.size - 1, free_len=int(free.numel()),
+                free=bitmap(free, self.size), tree_len=int(tree.numel()),
+                tree=bitmap(tree, self.size),
+                allocated=bitmap(torch.nonzero(self._allocated).reshape(-1), self.size),
+                evictable=int(evictable), protected=int(protected), idle=bool(idle),
+                tap_errors=self.errors)
+        except Exception:
+            self._failed("census")
+
+    def close(self) -> None:
+        self._flush_lookups()
+        self.pipe.close()

@@ -1,0 +1,116 @@
+"""Test-only radix-cache backend ``kv-sidecar-faults``: kv-sidecar's tapped tree with a fault
+hook *below* the tap, driven over a ZMQ REP socket (``KVSIDECAR_SGLANG_FAULTS``).
+
+Loaded into SGLang's processes through a test-only plugin entry point (the dist-info under
+tests/sglang/shims, on the test server's PYTHONPATH only). Commands are applied on the
+scheduler's thread at the next ``match_prefix``, so they never race SGLang. Each edits
+SGLang's real structures:
+
+* ``zero``: zero the K/V of the tree's slots for a prefix (every layer);
+* ``free``: hand the tree's slots for a prefix back through the allocator's ``free`` while
+  the tree still holds them, moved to the front of the free list so the next request reuses
+  them (a premature free);
+* ``stale``: copy the K/V of another cached prefix's slots over this prefix's (stale reuse);
+* ``drop_extra_key``: match and insert without the request's ``extra_key`` (the namespace
+  dropped from the key), until turned off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from typing import Any
+
+import torch
+import zmq
+
+ENV = "KVSIDECAR_SGLANG_FAULTS"
+
+
+class Faults:
+    def __init__(self, endpoint: str, tree: Any) -> None:
+        self.match, self.insert = tree.match_prefix, tree.insert  # SGLang's own
+        tree.match_prefix = lambda params: (self.poll(tree), self.match(
+            self.key_params(params)))[1]
+        tree.insert = lambda params: self.insert(self.key_params(params))
+        self.sock = zmq.Context.instance().socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.drop_extra_key = False
+
+    def key_params(self, params: Any) -> Any:
+        if not self.drop_extra_key or params.key is None or params.key.extra_key is None:
+            return params
+        import dataclasses
+
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        k = params.key
+        return dataclasses.replace(params, key=RadixKey(
+            k.token_ids, None, is_bigram=k.is_bigram, limit=k.limit, cache_salt=k.cache_salt))
+
+    def poll(self, tree: Any) -> None:
+        while self.sock.poll(0):
+            cmd = json.loads(self.sock.recv())
+            try:
+                reply = self.apply(tree, cmd)
+            except Exception as exc:
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            self.sock.send(json.dumps(reply).encode())
+
+    def _slots(self, tree: Any, tokens: list[int]) -> torch.Tensor:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        res = self.match(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        path = tree.path_device_indices(res.last_device_node)
+        return path[:res.device_prefix_len].to(torch.int64)
+
+    def apply(self, tree: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "drop_extra_key":
+            self.drop_extra_key = bool(cmd["on"])
+            return {"ok": True}
+        slots = self._slots(tree, cmd["tokens"])
+        pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        if op == "zero":
+            for buf in (*pool.k_buffer, *pool.v_buffer):
+                buf[slots] = 0
+        elif op == "stale":
+            src = self._slots(tree, cmd["source"])[:len(slots)]
+            slots = slots[:len(src)]
+            for buf in (*pool.k_buffer, *pool.v_buffer):
+                buf[slots] = buf[src]
+        elif op == "free":
+            slots = slots[int(cmd.get("start", 0)):]
+            alloc = tree.token_to_kv_pool_allocator
+            alloc.free(slots)  # through SGLang's own free (the tap sees it)
+            rest = torch.cat([alloc.free_pages, alloc.release_pages])
+            rest = rest[~torch.isin(rest, slots)]
+            alloc.free_pages = torch.cat([slots, rest])
+            alloc.release_pages = alloc.release_pages[:0]
+        else:
+            raise ValueError(f"unknown fault {op!r}")
+        return {"ok": True, "slots": [int(s) for s in slots.tolist()]}
+
+
+def faulty_tree(ctx: Any) -> Any:
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    from sidecar.adapters.sglang.backend import attach, make_tap
+
+    tap = make_tap(ctx)
+    tree = default_radix_cache_factory(ctx)
+    tree._kvs_faults = Faults(os.environ[ENV], tree)  # wraps first: below the tap
+    return attach(tree, tap)
+
+
+def register() -> None:
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+
+    if "kv-sidecar-faults" not in registered_radix_cache_backends():
+        register_radix_cache_backend("kv-sidecar-faults", faulty_tree)

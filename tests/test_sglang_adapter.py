@@ -1,0 +1,122 @@
+"""The SGLang adapter's engine-independent parts, without SGLang: the tap's messages over the
+real pipe into the sidecar service (a fake pool of plain tensors stands in for SGLang's
+``MHATokenToKVPool``), and the slot-census invariants. The live server is tests/sglang."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sidecar.adapters.sglang.census import Census, check_census
+from sidecar.adapters.sglang.tap import SglangTap, key_fields
+from sidecar.signals import InvariantKind as K
+
+BS = 4
+
+
+class FakePool:
+    """SGLang's NHD layout: per layer (slots, kv_heads, head_dim)."""
+
+    def __init__(self, slots: int, layers: int = 2, heads: int = 2, dim: int = 8) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.k_buffer = [torch.randn(slots + 1, heads, dim, generator=g) for _ in range(layers)]
+        self.v_buffer = [torch.randn(slots + 1, heads, dim, generator=g) for _ in range(layers)]
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _wait(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
+    from sidecar.adapters.vllm.receiver import ProbeReceiver
+    from sidecar.adapters.vllm.wire import Capture
+    from sidecar.metrics import Metrics
+
+    got: dict[str, list] = {"lookups": [], "capture": [], "stores": [], "frees": [],
+                            "census": []}
+    endpoint = f"ipc://{sockdir}/p.sock"
+    rx = ProbeReceiver(endpoint, Metrics("sglang", "tiny"),
+                       lambda items: got["lookups"].extend(items),
+                       lambda cap: got["capture"].append(cap), groups=[0],
+                       handlers={k: (lambda m, k=k: got[k].append(m))
+                                 for k in ("stores", "frees", "census")}).start()
+    try:
+        pool = FakePool(64)
+        tap = SglangTap(endpoint, BS, sample_every=2, blocks_per_sample=2, census_every_s=0)
+        tap.attach(pool, 64, "0.5.23", "tiny")
+        tokens = list(range(10, 22))  # 3 blocks
+        path = torch.arange(30, 42)
+        tap.allocated(path)
+        fields = key_fields("tenant-a", None)
+        tap.inserted(tokens, path, 0, fields)
+        tap.inserted(tokens, path, 8, fields)  # re-insert: only block 2 ends past 8
+        for rid in ("a", "b"):
+            tap.admitted(rid, tokens + [99], 10, path[:10], fields)
+        tap.admitted("a", tokens, 10, path[:10], fields)  # second checkpoint: not a lookup
+        tap.freed(torch.tensor([33, 34, 41]))  # 33 and 41 end blocks
+        tap.census(torch.arange(1, 30), path, evictable=12, protected=0, idle=False)
+        tap.close()
+        _wait(lambda: len(got["census"]) == 1)
+    finally:
+        rx.stop()
+    stores = [item for m in got["stores"] for item in m["items"]]
+    assert [(s[0], s[1], s[2]) for s in stores] == [
+        (33, 0, tokens[0:4]), (37, 4, tokens[4:8]), (41, 8, tokens[8:12]),
+        (41, 8, tokens[8:12])]
+    assert stores[0][3] is None and stores[1][3] is not None
+    assert stores[0][4] == {"extra_key": "tenant-a", "cache_salt": ""}
+    assert len(got["lookups"]) + len(got["capture"]) == 2  # one per request, 1 in 2 sampled
+    cap: Capture = got["capture"][0]
+    assert cap.hit_tokens == 10 and cap.blocks == {0: [33, 37]}
+    assert cap.key_fields == fields
+    for (g, i), (k, v) in cap.kv.items():
+        want = torch.stack([b[path[i * BS:(i + 1) * BS]] for b in pool.k_buffer]).transpose(1, 2)
+        assert g == 0 and torch.equal(k, want) and v.shape == k.shape == (2, 2, BS, 8)
+    assert [m["ids"] for m in got["frees"]] == [[33, 41]]
+
+
+def _census(free: list[int], tree: list[int], allocated: list[int], total: int = 16,
+            free_len: int | None = None, evictable: int | None = None, protected: int = 0,
+            idle: bool = False) -> Census:
+    def bits(ids: list[int]) -> np.ndarray:
+        b = np.zeros(total + 1, dtype=bool)
+        b[ids] = True
+        return b
+    return Census(total, len(free) if free_len is None else free_len, bits(free), len(tree),
+                  bits(tree), bits(allocated),
+                  len(tree) - protected if evictable is None else evictable, protected, idle)
+
+
+def test_census_clean_and_each_invariant_named() -> None:
+    tree, private = list(range(1, 9)), [9, 10]
+    free = list(range(11, 17))
+    assert check_census(_census(free, tree, tree + private)) == []
+    assert check_census(_census(free + private, tree, tree, idle=True)) == []  # 9, 10 back
+    kinds = {v.kind for v in check_census(_census(free + [3], tree, tree + private))}
+    assert K.FREE_WHILE_INDEXED in kinds  # slot 3 freed while the tree holds it
+    assert {v.kind for v in check_census(_census(free, tree, tree + private,
+                                                 free_len=len(free) + 1))} == {K.DOUBLE_FREE}
+    assert K.FREE_WHILE_HELD in {v.kind for v in check_census(
+        _census(free + [9], tree, tree + private))}
+    assert {v.kind for v in check_census(_census(free, tree, tree + private, protected=-1,
+                                                 evictable=9))} == {K.BLOCK_COUNT_MISMATCH}
+    assert {v.kind for v in check_census(_census(free[1:], tree, tree + private))} == {
+        K.BLOCK_COUNT_MISMATCH}  # slot 11 neither free nor handed out: lost
+    assert {v.kind for v in check_census(_census(free, tree, tree + private, idle=True))} \
+        == {K.LEAKED_REFERENCE}  # idle, yet 9 and 10 are held by nobody
