@@ -200,15 +200,19 @@ def _probe_corpus() -> list[dict[str, Any]]:
 
 
 def fuzz_probe(n: int, seed: int = 0) -> FuzzResult:
-    """Mutated probe messages into ``ProbeReceiver.handle`` (capture tensors included)."""
+    """Mutated probe messages into ``ProbeReceiver.handle`` (capture tensors included);
+    each decoded capture is verified by a real Monitor (:mod:`sidecar.bench.probe_verify`)
+    and must be accounted for there."""
     from sidecar.adapters.vllm.receiver import ProbeReceiver
+    from sidecar.bench.probe_verify import CaptureVerifier
 
     rng = random.Random(seed)
     corpus = _probe_corpus()
+    verifier = CaptureVerifier()
     rx = ProbeReceiver("ipc:///tmp/kvsidecar-fuzz-unused.sock", Metrics("fuzz", "probe"),
-                       lambda _items: None, lambda _cap: None)
+                       lambda _items: None, verifier)
     res = FuzzResult("probe_wire", "mutated probe messages (dtype, shape, bytes, counts) "
-                                   "-> ProbeReceiver.handle")
+                                   "-> ProbeReceiver.handle -> a real verifier")
     for _ in range(n):
         data = _structured_or_bytes(rng.choice(corpus), rng)
         before = rx.messages + rx.bad_messages
@@ -221,6 +225,11 @@ def fuzz_probe(n: int, seed: int = 0) -> FuzzResult:
             continue
         if rx.messages + rx.bad_messages == before:
             res.lost += 1
+    res.escaped += verifier.escaped
+    res.lost += verifier.unaccounted
+    v = verifier.figures()
+    res.tried += (f" ({v['captures']} captures: {v['verified']:g} verified, "
+                  f"{v['dropped']:g} dropped, {v['anomalies']:g} anomalies)")
     return res
 
 

@@ -193,8 +193,11 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
                             "(, V shape)]")
         g, i, _b, dtype, shape, kb, vb = entry[:7]
         v_shape = entry[7] if len(entry) == 8 else shape
-        kv[(_int(g, "group", 0, 1023), _int(i, "block index"))] = (
-            tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
+        gi, ii = _int(g, "group", 0, 1023), _int(i, "block index")
+        if ii >= len(blocks.get(gi, ())):  # KV of a block the capture's table does not name
+            raise WireError(f"kv entry for group {gi} block #{ii}: not in the capture's "
+                            "block table")
+        kv[(gi, ii)] = (tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
                    _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv,
                    _key_fields(msg.get("key_fields")))
