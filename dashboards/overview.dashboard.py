@@ -266,6 +266,31 @@ scrub_actions = [
      6, 6),
 ]
 
+# --- the cache-bypass guard (sidecar/protect/, issue 25): two panels appended to the
+# scrub-and-actions row. The guard in front of an OpenAI server salts every request while
+# its breaker is open; these show its state and what it did to the traffic.
+from dashboards.common import RATE  # noqa: E402  (kept inside the guard's block)
+
+scrub_actions += [
+    (stat("Guard state", "The cache-bypass guard's breaker: open (every request gets a "
+          "fresh cache_salt, the engine serves misses), half-open (probes with the cache), "
+          "and whether the guard can bypass at all (0: the server ignores cache_salt, the "
+          "guard only alerts).", "short",
+          [("max(" + sel(S.GUARD_STATE, extra='state="open"') + ")", "open"),
+           ("max(" + sel(S.GUARD_STATE, extra='state="half_open"') + ")", "half-open"),
+           (f"min({sel(S.GUARD_BYPASS_SUPPORTED)})", "bypass supported")],
+          steps("green", (ANY, "orange")), decimals=0), 6, 6),
+    (timeseries("Guard: requests by route and transitions", "Requests through the guard "
+                "per second by route (forwarded as sent, bypassed with a salt, probe, "
+                "unprotected), and its breaker's transitions by the state entered and what "
+                "moved it (local verdict, sidecar, webhook page, operator, timer, probes).",
+                "reqps",
+                [(rate(S.GUARD_REQUESTS, "route"), "{{route}}"),
+                 (f"sum by (to, source) (increase({sel(S.GUARD_TRANSITIONS)}[{RATE}])) > 0",
+                  "to {{to}} ({{source}})")]), 18, 6),
+]
+# --- end of the guard's block.
+
 
 def _append_row(board: Dashboard, title: str,
                 panels: list[tuple[object, int, int]]) -> Dashboard:

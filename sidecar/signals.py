@@ -606,8 +606,15 @@ PROXY_REFUSED = _s("proxy_refused_total", C,
                    "status (400, 408, 411, 413, 431, 502, 503, 504).", ("status",))
 GUARD_SIGNALS: tuple[Signal, ...] = (GUARD_STATE, GUARD_TRANSITIONS, GUARD_REQUESTS,
                                      GUARD_BYPASS_SUPPORTED, PROXY_REFUSED)
-ALL_SIGNALS = (*ALL_SIGNALS, *GUARD_SIGNALS)
-ADAPTER_SIGNALS["guard"] = GUARD_SIGNALS
+# vLLM mitigation (sidecar/adapters/vllm/prefix_reset.py, `vllm serve --reset-prefix-cache`);
+# registered by the vLLM sidecar where it is switched on. result: reset, busy (gave up while
+# requests held blocks), unsupported (no dev endpoint), error, rate_limited.
+PREFIX_CACHE_RESETS = _s("prefix_cache_resets_total", C,
+                         "POST /reset_prefix_cache requests the sidecar made after an "
+                         "anomaly, by result (reset, busy, unsupported, error, "
+                         "rate_limited).", ("result",))
+ALL_SIGNALS = (*ALL_SIGNALS, *GUARD_SIGNALS, PREFIX_CACHE_RESETS)
+ADAPTER_SIGNALS["guard"] = (*GUARD_SIGNALS, PREFIX_CACHE_RESETS)
 # --- end of the guard's block.
 
 

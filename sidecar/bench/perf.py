@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figures", default="hooks,engine,checks,events,memory,latency,tail",
                    help="comma-separated subset of: hooks, engine, checks, events, memory, "
                         "latency, tail (default: all)")
+    p.add_argument("--guard", action="store_true",  # sidecar/bench/perf_guard.py
+                   help="also measure the cache-bypass guard's overhead when closed "
+                        "(throughput, P50/P99 through it vs direct)")
+    p.add_argument("--guard-upstream", default=None, metavar="URL",
+                   help="with --guard: a real server to measure against (default: a "
+                        "stand-in with a fixed service time)")
 
 
 HOOK_TARGETS_NS = {
@@ -250,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
             rows += latency_rows(args.quick, raw)
         elif fig == "tail":
             rows += tail_rows(args.quick, raw)
+    if getattr(args, "guard", False):  # the guard's block (sidecar/bench/perf_guard.py)
+        from sidecar.bench.perf_guard import guard_rows
+
+        _progress("bench perf: guard ...", args)
+        rows += guard_rows(args.quick, repeats, raw, args.guard_upstream)
     settings = {"quick": args.quick, "repeats": repeats, "python": platform.python_version(),
                 "torch": torch.__version__, "machine": platform.machine(),
                 "torch_threads": 1, "seconds": round(time.monotonic() - started, 1)}

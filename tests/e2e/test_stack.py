@@ -219,6 +219,7 @@ def _seconds(duration: str) -> float:
 # when every series it reads is one of these; its data is proven where the feature runs
 # (tests/test_scrub.py, tests/test_actions.py, tests/test_hybrid_admission.py).
 FEATURE_OFF_SIGNALS = (S.RECOVERY_DURATION, S.BREAKER_OPEN, S.BREAKER_PROBES, S.QUARANTINED,
+                       *S.GUARD_SIGNALS,  # the cache-bypass guard: its own process
                        S.SCRUB_RECOMPUTE_RATE, S.SCRUB_BUDGET, S.SCRUB_PROGRESS,
                        S.SCRUB_COVERAGE)
 

@@ -16,11 +16,13 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from sidecar import tolerance
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
@@ -67,6 +69,7 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
     sc = VllmSidecar(cfg).start()
+    reset = _prefix_reset(a, sc)
     push = None
     if a.otlp_endpoint:
         from sidecar.otel_push import start_otlp_push
@@ -81,12 +84,45 @@ def _serve(a: argparse.Namespace) -> int:
         done.wait(a.duration if a.duration > 0 else None)
     sc.monitor.drain(10.0)
     summary = sc.summary()
+    if reset is not None:
+        reset.stop()
+        summary["prefix_cache_resets"] = list(reset.history)
     if push is not None:
         push.shutdown()  # the last metrics and spans go out
     server.stop()
     sc.stop()
     print(json.dumps(summary, indent=1, default=str), flush=True)
     return 0
+
+
+def _prefix_reset(a: argparse.Namespace, sc: Any) -> Any:
+    """``--reset-prefix-cache``: on every anomalous verdict, ask for a
+    ``POST /reset_prefix_cache`` (sidecar/adapters/vllm/prefix_reset.py); None when off."""
+    if not a.reset_prefix_cache:
+        return None
+    from sidecar.adapters.vllm.prefix_reset import PrefixCacheReset, ResetSettings
+
+    base = a.engine_url or (a.metrics_url or "").removesuffix("/metrics")
+    if not base:
+        raise SystemExit("kv-sidecar vllm serve: error: --reset-prefix-cache needs "
+                         "--engine-url (vLLM's server, started with VLLM_SERVER_DEV_MODE=1)")
+    reset = PrefixCacheReset(base, ResetSettings(min_interval_s=a.reset_min_interval),
+                             sc.metrics)
+    sc.monitor.verdict_listeners.append(
+        lambda verdict: reset.request("anomaly") if verdict.findings else None)
+    print(f"kv-sidecar for vLLM: resets {reset.url} on an anomaly (at most every "
+          f"{a.reset_min_interval:g}s)", flush=True)
+    return reset
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be 0..86400 seconds, got {text}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -128,6 +164,12 @@ def parser() -> argparse.ArgumentParser:
         from sidecar.otel_push import add_arguments as add_otlp_arguments
 
         add_otlp_arguments(s)
+        s.add_argument("--reset-prefix-cache", action="store_true",
+                       help="on an anomaly, POST vLLM's /reset_prefix_cache once no request "
+                            "holds blocks (retried with backoff; needs --engine-url and vLLM "
+                            "started with VLLM_SERVER_DEV_MODE=1; off by default)")
+        s.add_argument("--reset-min-interval", type=_interval, default=300.0,
+                       help="seconds between two resets at most (rate limit; default 300)")
         s.add_argument("--duration", type=float, default=0.0,
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)

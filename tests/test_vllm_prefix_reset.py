@@ -1,0 +1,104 @@
+"""The vLLM prefix-cache reset (sidecar/adapters/vllm/prefix_reset.py) against a local
+stand-in for vLLM's dev endpoint: retried while requests hold blocks, rate-limited,
+'unsupported' where the endpoint is absent, every outcome counted. The real endpoint is
+exercised in tests/vllm/test_guard.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from sidecar import signals as S
+from sidecar.adapters.vllm.prefix_reset import PrefixCacheReset, ResetSettings
+from sidecar.metrics import Metrics
+
+
+class FakeVllm:
+    def __init__(self, busy_for: int, dev_mode: bool = True) -> None:
+        self.busy_for, self.calls = busy_for, 0
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                if not dev_mode or self.path != "/reset_prefix_cache":
+                    self.send_error(404)
+                    return
+                outer.calls += 1
+                body = json.dumps({"success": outer.calls > outer.busy_for}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics("vllm", "tiny")
+
+
+def _fake(**kw: Any) -> Iterator[FakeVllm]:
+    f = FakeVllm(**kw)
+    yield f
+    f.close()
+
+
+def test_retries_while_blocks_are_held_then_resets(metrics: Metrics) -> None:
+    for fake in _fake(busy_for=3):
+        r = PrefixCacheReset(fake.url, ResetSettings(backoff_s=0.001), metrics)
+        entry = r.reset_now("page")
+        assert entry["result"] == "reset" and entry["attempts"] == 4 and fake.calls == 4
+        assert metrics.value(S.PREFIX_CACHE_RESETS.name, result="reset") == 1
+
+
+def test_gives_up_as_busy_after_its_attempts(metrics: Metrics) -> None:
+    for fake in _fake(busy_for=100):
+        r = PrefixCacheReset(fake.url, ResetSettings(attempts=3, backoff_s=0.001), metrics)
+        assert r.reset_now()["result"] == "busy" and fake.calls == 3
+        assert metrics.value(S.PREFIX_CACHE_RESETS.name, result="busy") == 1
+
+
+def test_without_dev_mode_it_says_unsupported_once(metrics: Metrics) -> None:
+    for fake in _fake(busy_for=0, dev_mode=False):
+        r = PrefixCacheReset(fake.url, ResetSettings(backoff_s=0.001), metrics)
+        assert r.reset_now() == {**r.history[0], "result": "unsupported", "attempts": 1}
+
+
+def test_requests_are_rate_limited(metrics: Metrics) -> None:
+    now = [0.0]
+    for fake in _fake(busy_for=0):
+        r = PrefixCacheReset(fake.url, ResetSettings(min_interval_s=60, backoff_s=0.001),
+                             metrics, clock=lambda: now[0])
+        assert r.request()
+        ev = threading.Event()
+        for _ in range(400):
+            if r.history:
+                break
+            ev.wait(0.05)
+        assert r.history[0]["result"] == "reset"
+        now[0] = 59.0
+        assert not r.request()
+        assert r.history[-1]["result"] == "rate_limited"
+        assert metrics.value(S.PREFIX_CACHE_RESETS.name, result="rate_limited") == 1
+
+
+@pytest.mark.parametrize("bad", [dict(min_interval_s=float("nan")), dict(attempts=0),
+                                 dict(backoff_s=float("inf"))])
+def test_settings_are_finite_and_bounded(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        ResetSettings(**bad)
