@@ -1,6 +1,6 @@
 # kv-sidecar: two commands do all the set-up on a fresh machine.
 #   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
-#   make test   - build .venv (and .venv-vllm, .venv-lmcache), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM, LMCache and Kubernetes-manifest tests
+#   make test   - build .venv (and .venv-vllm, .venv-lmcache, .venv-sglang), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM, LMCache, SGLang and Kubernetes-manifest tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache test-deploy bench stack clean
+.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -28,7 +28,7 @@ lint: venv
 	$(VENV)/bin/mypy sidecar
 
 test-unit: venv
-	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache and not deploy" tests
+	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache and not sglang and not deploy" tests
 
 test-e2e: venv
 	bash scripts/test-e2e.sh
@@ -48,7 +48,11 @@ test-lmcache:
 test-deploy: venv
 	bash scripts/test-deploy.sh
 
-test: lint test-unit test-lean test-e2e test-vllm test-lmcache test-deploy
+# A real SGLang server (0.5.23, CPU) with the kv-sidecar radix-cache backend, in its own venv.
+test-sglang:
+	bash scripts/test-sglang.sh
+
+test: lint test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy
 
 # Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
 stack: venv
@@ -58,7 +62,7 @@ bench: venv
 	$(VENV)/bin/kv-sidecar bench detection
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-lmcache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-lmcache .venv-sglang .pytest_cache .mypy_cache .ruff_cache
 
 # N demo replicas (one with FAULT) behind one Prometheus + Alertmanager on 127.0.0.1; the page
 # names the bad replica (examples/fleet/README.md). Ctrl-C stops all.

@@ -63,8 +63,9 @@ import sys
 import sidecar
 
 GATED = ("sidecar.engines.reference", "sidecar.demo", "sidecar.actions_demo", "sidecar.bench",
-         "sidecar.adapters.reference", "sidecar.allocator.bench", "sidecar.adapters.vllm")
-EXTRA_MODULES = {"transformers", "zmq", "msgpack", "vllm"}
+         "sidecar.adapters.reference", "sidecar.allocator.bench", "sidecar.adapters.vllm",
+         "sidecar.adapters.sglang")
+EXTRA_MODULES = {"transformers", "zmq", "msgpack", "vllm", "sglang"}
 runtime = gated = 0
 for info in pkgutil.walk_packages(sidecar.__path__, "sidecar."):
     name = info.name

@@ -5,6 +5,7 @@ Subcommands:
   faults    list the faults the reference engine can inject
   signals   list the exported signals (``--markdown`` prints the README table)
   vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
+  sglang    the sidecar beside an SGLang server (radix-cache backend tap)
   bench     benchmarks (``bench detection``)
   config    check a configuration file, show the effective configuration
   evidence  list and open the anomaly evidence records (``evidence show ID --plot out.png``)
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run kv-sidecar beside vLLM: event audit, metrics bridge, "
                                    "sampled content verification through the in-engine probe.")
     v.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    g = sub.add_parser("sglang", add_help=False,
+                       help="the sidecar beside an SGLang server (`kv-sidecar sglang --help`)",
+                       description="Run kv-sidecar beside SGLang: the kv-sidecar radix-cache "
+                                   "backend's tap, sampled verification, slot invariants.")
+    g.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     s = sub.add_parser("signals", help="list the exported signals",
                        description="List every signal kv-sidecar exports (the single source "
@@ -240,6 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sidecar.adapters.vllm.cli import main as vllm_main
 
         return vllm_main(argv[1:] or ["--help"])
+    if argv[:1] == ["sglang"]:  # its own parser too; the pipe needs the vllm extra's zmq
+        try:
+            require("vllm")
+        except MissingExtra as exc:
+            print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+            return 2
+        from sidecar.adapters.sglang.cli import main as sglang_main
+
+        return sglang_main(argv[1:] or ["--help"])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -120,3 +120,20 @@ def test_census_clean_and_each_invariant_named() -> None:
         K.BLOCK_COUNT_MISMATCH}  # slot 11 neither free nor handed out: lost
     assert {v.kind for v in check_census(_census(free, tree, tree + private, idle=True))} \
         == {K.LEAKED_REFERENCE}  # idle, yet 9 and 10 are held by nobody
+
+
+def test_engine_args_name_the_backend_and_the_tap_config(capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    import json
+    import shlex
+
+    from sidecar.cli import main
+
+    assert main(["sglang", "engine-args", "--probe", "ipc:///tmp/kvs-x.sock",
+                 "--sample-every", "10"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    name, _, value = out[0].removeprefix("export ").partition("=")
+    cfg = json.loads(shlex.split(value)[0])
+    assert name == "KVSIDECAR_SGLANG_TAP"
+    assert cfg["endpoint"] == "ipc:///tmp/kvs-x.sock" and cfg["sample_every"] == 10
+    assert "--radix-cache-backend kv-sidecar" in out[1]

@@ -47,16 +47,20 @@ class Server:
             return dict(json.loads(resp.read()))
 
     def fault(self, op: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
-        """Queue a fault; it is applied at the tree's next match, which the probe request
-        sent here triggers (a 1-token prompt of its own)."""
+        """Queue a fault; it is applied at the tree's next match, which the tiny requests
+        sent here trigger (until the fault hook has replied)."""
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.faults)
         try:
             sock.send(json.dumps({"op": op, **args}).encode())
-            self.generate([5, 6])  # a match on the scheduler's thread applies it
-            if not sock.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"fault {op} not applied")
+            deadline = time.monotonic() + timeout_s
+            while True:  # a match on the scheduler's thread applies it, once it has arrived
+                self.generate([5, 6])
+                if sock.poll(200):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fault {op} not applied")
             reply = dict(json.loads(sock.recv()))
         finally:
             sock.close(0)

@@ -165,12 +165,9 @@ def _census(tree: Any, tap: SglangTap) -> None:
         return
     try:
         allocator = tree.token_to_kv_pool_allocator
+        if getattr(allocator, "free_group", None) is not None:
+            return  # inside a free group: frees are held back, the pool is mid-change
         free = allocator.get_all_free_pages()
-        pending = getattr(allocator, "free_group", None)
-        if pending:  # frees SGLang holds until free_group_end: free already
-            import torch
-
-            free = torch.cat([free, *pending])
         req_pool = tree.req_to_token_pool
         idle = req_pool.available_size() == req_pool.size
         tap.census(free, tree.all_values_flatten(), int(tree.evictable_size()),
