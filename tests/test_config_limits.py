@@ -53,6 +53,7 @@ def test_every_numeric_field_is_bounded_by_the_one_table() -> None:
     ("scrub_every_s = 1e300", "sidecar.scrub_every_s: must be > 0 and <= 86400"),
     ("breaker_window_s = nan", "sidecar.breaker_window_s: must be"),
     ("seed = 1" + "0" * 400, "sidecar.seed: must be >="),
+    ("adapter_timeout_s = 1" + "0" * 400, "sidecar.adapter_timeout_s: must be a finite"),
     ("queue_size = 1" + "0" * 30, "sidecar.queue_size: must be >= 1 and <= 1000000"),
 ])
 def test_infinite_and_huge_numbers_are_refused(tmp_path, capsys, toml, says) -> None:
@@ -112,7 +113,7 @@ def test_directories_and_special_files_are_refused_without_reading(tmp_path, cap
                        ("/dev/zero", "not a regular file"), ("/dev/null", "not a regular")]:
         got: list[list[str]] = []
         # On 75d8333 the FIFO blocked the reader for ever: wait with a cap, in a thread.
-        t = threading.Thread(target=lambda p=path: got.append(read_file(schema, p)[1]),
+        t = threading.Thread(target=lambda p=path, out=got: out.append(read_file(schema, p)[1]),
                              daemon=True)
         t.start()
         t.join(60)

@@ -157,8 +157,16 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
     ok = all(r.escaped == 0 and r.lost == 0 for r in rows) \
         and floods["labels"]["series"] < 100 \
         and floods["http"]["scrapes_ok"] == floods["http"]["scrapers"]
+    # issue 21: config files and env, bearer auth, slow clients, scrape storm
+    from sidecar.bench.surface_http import run_surfaces
+
+    surface_rows, http_surfaces = run_surfaces(quick, seed + 21)
+    rows += surface_rows
+    ok = ok and http_surfaces["ok"] and all(r.escaped == 0 and r.lost == 0
+                                            for r in surface_rows)
     return {"quick": quick, "seed": seed, "ok": ok, "rows": [r.row() for r in rows],
             "floods": floods, "seconds": time.perf_counter() - started,
+            "http_surfaces": http_surfaces,
             "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0}
 
 
@@ -177,6 +185,9 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"http flood: {web['idle']} idle connections ({web['idle_closed']} closed by "
           f"timeout), {web['scrapes_ok']}/{web['scrapers']} concurrent scrapes ok, worst "
           f"{web['worst_scrape_s']:.2f} s, {web['rejected']} answered 503")
+    from sidecar.bench.surface_http import print_surfaces
+
+    print_surfaces(out["http_surfaces"])
     print(f"\n{'OK' if out['ok'] else 'FAILED'}: nothing escaped, nothing lost"
           if out["ok"] else "\nFAILED: see escaped/lost above")
     print(f"({out['seconds']:.1f} s)")
