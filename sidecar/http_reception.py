@@ -231,27 +231,17 @@ class Reception(threading.Thread):
             return
         start = max(0, len(conn.data) - 3)
         conn.data += chunk
-        if conn.head_end < 0:
-            end = _head_end(conn.data, start)
-            if end < 0:
-                if len(conn.data) > MAX_HEADER_BYTES:
-                    self.refused += 1
-                    self._drop(conn, TOO_LARGE)
-                return
-            problem = _parse_head(conn, end)
-            if problem is not None:
-                self.refused += 1
-                self._drop(conn, problem)
-                return
-        if len(conn.data) < conn.need:
-            return  # the body is still coming, within the same deadline
+        verdict = examine(conn, start)
+        if verdict == MORE:
+            return  # head or body still coming, within the same deadline
+        if isinstance(verdict, bytes):
+            self.refused += 1
+            self._drop(conn, verdict)
+            return
         self._forget(conn)
-        if conn.path == "/healthz" and conn.method in ("GET", "HEAD"):
+        if verdict == HEALTHZ:
             self.healthz_answered += 1
-            answer = self._healthz()
-            if conn.method == "HEAD":
-                answer = answer[:answer.index(b"\r\n\r\n") + 4]
-            self._send_close(conn.sock, answer)
+            self._send_close(conn.sock, healthz_answer(conn, self._healthz))
             return
         self._ready.append(conn)
 
@@ -276,6 +266,32 @@ class Reception(threading.Thread):
             else:
                 keep.append(conn)
         self._ready = keep
+
+
+MORE, HEALTHZ, READY = "more", "healthz", "ready"
+
+
+def examine(conn: Connection, start: int = 0) -> str | bytes:
+    """What to do with ``conn`` after new bytes (``start``: where to look for the head's
+    end): :data:`MORE` (incomplete), :data:`HEALTHZ` (answer it here), :data:`READY` (for a
+    handler), or the error response to send before closing."""
+    if conn.head_end < 0:
+        end = _head_end(conn.data, start)
+        if end < 0:
+            return TOO_LARGE if len(conn.data) > MAX_HEADER_BYTES else MORE
+        problem = _parse_head(conn, end)
+        if problem is not None:
+            return problem
+    if len(conn.data) < conn.need:
+        return MORE
+    if conn.path == "/healthz" and conn.method in ("GET", "HEAD"):
+        return HEALTHZ
+    return READY
+
+
+def healthz_answer(conn: Connection, healthz: Callable[[], bytes]) -> bytes:
+    answer = healthz()
+    return answer[:answer.index(b"\r\n\r\n") + 4] if conn.method == "HEAD" else answer
 
 
 def _head_end(data: bytearray, start: int) -> int:
