@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_HEADER_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024  # no endpoint takes a body; a small one is read and ignored
+MAX_BODY_BYTES = 8 * 1024  # no endpoint takes a body; a small one is read and ignored
 # /metrics requests are handed to handlers in rounds, at most this many a second: every
 # scrape waiting when a round starts goes (they share one cached body), later ones wait for
 # the next round, holding no thread and burning no CPU. A storm of tight-loop scrapers then
@@ -68,6 +68,7 @@ class Connection:
     method: str = ""
     path: str = ""
     released: bool = False  # a /metrics request whose round has come
+    pending: bytes = b""  # the rest of a response the reception began to send
 
     @property
     def peer(self) -> str:
@@ -91,13 +92,16 @@ class Reception(threading.Thread):
     def __init__(self, dispatch: Callable[[Connection], bool], healthz: Callable[[], bytes],
                  close: Callable[[Any], None], deadline_s: float, max_held: int,
                  max_per_peer: int, max_per_peer_handlers: int,
-                 scrape_rounds_per_s: float = SCRAPE_ROUNDS_PER_S) -> None:
+                 scrape_rounds_per_s: float = SCRAPE_ROUNDS_PER_S,
+                 fresh_scrape: Callable[[], bytes | None] | None = None) -> None:
         super().__init__(name="kvsidecar-http-reception", daemon=True)
         self._dispatch, self._healthz, self._close = dispatch, healthz, close
         self.deadline_s = deadline_s
         self.max_held = max_held
         self.max_per_peer = max_per_peer
         self.max_per_peer_handlers = max_per_peer_handlers
+        self._fresh_scrape = fresh_scrape  # the whole /metrics response while cached
+        self.scrapes_inline = 0
         self.round_gap_s = 1.0 / scrape_rounds_per_s if scrape_rounds_per_s > 0 else 0.0
         self._next_round = 0.0
         self.scrape_rounds = 0
@@ -245,6 +249,27 @@ class Reception(threading.Thread):
             return
         self._ready.append(conn)
 
+    def _scrape_inline(self, conn: Connection) -> bool:
+        """Answer a released scrape from the cached body on this thread (no handler thread
+        for the storm's usual case); what the socket does not take at once goes to a
+        handler (``pending``). False: no fresh body, a handler generates one."""
+        answer = self._fresh_scrape() if self._fresh_scrape is not None else None
+        if answer is None:
+            return False
+        try:
+            sent = conn.sock.send(answer)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn.sock)
+            return True
+        if sent >= len(answer):
+            self.scrapes_inline += 1
+            self._close(conn.sock)
+            return True
+        conn.pending = answer[sent:]
+        return False
+
     def _dispatch_ready(self, now: float) -> None:
         keep: list[Connection] = []
         waiting = [c for c in self._ready if c.path == "/metrics" and not c.released]
@@ -257,6 +282,8 @@ class Reception(threading.Thread):
             with self._lock:
                 busy = self._in_handler.get(conn.peer, 0)
             held_back = conn.path == "/metrics" and not conn.released
+            if conn.released and not conn.pending and self._scrape_inline(conn):
+                continue
             if not held_back and busy < self.max_per_peer_handlers and self._dispatch(conn):
                 with self._lock:
                     self._in_handler[conn.peer] = self._in_handler.get(conn.peer, 0) + 1

@@ -89,7 +89,10 @@ HOSTILE = {
     "inline_nesting_5000": (b"[sidecar]\ntolerances = " + b"{a=" * 5000 + b"1" +
                             b"}" * 5000 + b"\n", "nested too deeply"),
     "digits_5000": (b"[sidecar]\nseed = " + b"1" * 5000 + b"\n", "TOML cannot hold"),
-    "dotted_40k": (b"a" + b".a" * 20000 + b" = 1\n", "line 1 has 20000 dots"),
+    "dotted_40k": (b"a" + b".a" * 20000 + b" = 1\n", "has 20000 dots; at most 4096"),
+    "dotted_line": (b"a" + b".a" * 100 + b" = 1\n", "line 1 has 100 dots; at most 64"),
+    "many_dotted_lines": (b"".join(b"k%d" % i + b".a" * 63 + b" = 1\n" for i in range(1500)),
+                          "dots; at most 4096"),
     "too_big": (b"# " + b"x" * (MAX_CONFIG_BYTES + 10) + b"\n", "bytes; at most"),
     "nul_bytes": (b"[sidecar]\nseed = 1\x00\n", "not valid TOML"),
 }

@@ -23,7 +23,9 @@ from typing import Any
 from sidecar.bench.fuzz import FuzzResult
 
 TOKEN = "t0ken-Z9"
-_GOOD = re.compile(r"[Bb][Ee][Aa][Rr][Ee][Rr] +" + re.escape(TOKEN) + r" *")
+# RFC 6750 credentials; the field value's surrounding whitespace (OWS: SP / HTAB) is not
+# part of it (RFC 9110 5.5)
+_GOOD = re.compile(r"[ \t]*[Bb][Ee][Aa][Rr][Ee][Rr] +" + re.escape(TOKEN) + r"[ \t]*")
 
 
 def _raw(port: int, request: bytes, timeout: float = 10.0) -> bytes:
