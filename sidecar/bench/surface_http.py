@@ -165,21 +165,49 @@ def slow_clients(seconds: float, connections: int = 66, every_s: float = 0.3,
 
 
 _SCRAPER = r"""
-import sys, threading, urllib.request
-url, n = sys.argv[1], int(sys.argv[2])
+import selectors, socket, sys, threading
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+REQ = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 go = threading.Event()
 done = [0]
-def scrape():
+def storm():  # n scrapes always in flight, on one thread (a client, not 32 of them)
+    sel = selectors.DefaultSelector()
+    def start():
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        sel.register(s, selectors.EVENT_WRITE, [b""])
+    live = 0
     while True:
-        go.wait()
-        try:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                r.read()
-            done[0] += 1
-        except Exception:
-            pass
-for _ in range(n):
-    threading.Thread(target=scrape, daemon=True).start()
+        if not go.is_set():
+            for key in list(sel.get_map().values()):
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+            live = 0
+            go.wait()
+        while live < n:
+            start()
+            live += 1
+        for key, ev in sel.select(0.5):
+            s = key.fileobj
+            try:
+                if ev & selectors.EVENT_WRITE:
+                    s.sendall(REQ)
+                    sel.modify(s, selectors.EVENT_READ, key.data)
+                    continue
+                chunk = s.recv(65536)
+            except OSError:
+                chunk = b""
+            if chunk:
+                key.data[0] = key.data[0][:12] + chunk[:1]
+                if not key.data[0].startswith(b"HTTP"):
+                    key.data[0] = chunk[:12]
+                continue
+            done[0] += key.data[0][9:12] == b"200"
+            sel.unregister(s)
+            s.close()
+            live -= 1
+threading.Thread(target=storm, daemon=True).start()
 print("ready", flush=True)
 for line in sys.stdin:
     if line.startswith("go"):
@@ -203,7 +231,7 @@ def scrape_storm(requests_per_block: int, blocks: int = 4, scrapers: int = 32,
     srv = SidecarServer(mon.metrics.registry, mon.summary, port=0,
                         health=lambda: monitor_health(mon)).start()
     mon.start()
-    child = subprocess.Popen([sys.executable, "-c", _SCRAPER, srv.url + "/metrics",
+    child = subprocess.Popen([sys.executable, "-c", _SCRAPER, "127.0.0.1", str(srv.port),
                               str(scrapers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     rng = random.Random(seed)
