@@ -18,6 +18,7 @@ from typing import Any
 MAX_CONFIG_BYTES = 256 * 1024  # a sidecar config is a few KB; this is far past any real one
 MAX_TOKEN_BYTES = 4096
 MAX_DOTS_PER_LINE = 64  # dotted key parts (and floats) on one line: tomllib is O(parts**2)
+MAX_DOTS = 4096  # in the whole text: 2,000 lines of 64-part keys still took ~10 s
 
 
 class FileProblem(ValueError):
@@ -70,6 +71,9 @@ def read_small_text(path: str | os.PathLike[str], what: str, max_bytes: int) -> 
 def parse_toml(text: str, where: str) -> dict[str, Any]:
     """``tomllib.loads(text)`` for hostile text; :class:`FileProblem` ("<where> is not valid
     TOML: ...") for anything it refuses, however it refuses it."""
+    if text.count(".") > MAX_DOTS:
+        raise FileProblem(f"{where} has {text.count('.')} dots; at most {MAX_DOTS} (dotted "
+                          "key parts and decimals) in a config")
     for number, line in enumerate(text.splitlines(), 1):
         if line.count(".") > MAX_DOTS_PER_LINE:
             raise FileProblem(f"{where}: line {number} has {line.count('.')} dots; at most "

@@ -254,7 +254,10 @@ def _check(value: Any, hint: Any) -> Any:
         items = [_check(v, args[0] if args else Any) for v in value]
         return tuple(items) if origin is tuple else items
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of 400 digits
+            raise ValueError(f"must be a finite number, got {short(value)}") from None
     if hint in (int, float) and isinstance(value, bool):
         raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
     if isinstance(hint, type) and not isinstance(value, hint):

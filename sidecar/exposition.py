@@ -34,6 +34,14 @@ class CachedExposition:
         self.waiting = 0  # scrapes waiting for a generation in progress
         self.served = 0
 
+    def fresh(self) -> bytes | None:
+        """The cached body while younger than ``ttl_s`` (counted as served), else None."""
+        with self._cond:
+            if self._body is not None and self.clock() - self._at < self.ttl_s:
+                self.served += 1
+                return self._body
+        return None
+
     def get(self) -> bytes:
         with self._cond:
             self.served += 1

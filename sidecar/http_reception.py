@@ -10,7 +10,8 @@ all arrived, within one deadline for the whole request (not per byte). Then:
 * ``GET /healthz`` is answered right here, on this thread: it never waits for a handler
   slot, so the orchestrator sees the truth however busy the pool is;
 * anything else waits (oldest first) for a handler slot, at most
-  ``max_per_peer_handlers`` of them per peer address, up to the same deadline, then 503.
+  ``max_per_peer_handlers`` of them per peer address, up to the same deadline, then 503;
+  ``/metrics`` goes in rounds (:data:`SCRAPE_ROUNDS_PER_S`, all peers together).
 
 Connections held are bounded in total and per peer. A new connection over either bound
 evicts the oldest still-incomplete one (of that peer, or of all) rather than being
@@ -31,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_HEADER_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024  # no endpoint takes a body; a small one is read and ignored
+MAX_BODY_BYTES = 8 * 1024  # no endpoint takes a body; a small one is read and ignored
+# /metrics requests are handed to handlers in rounds, at most this many a second: every
+# scrape waiting when a round starts goes (they share one cached body), later ones wait for
+# the next round, holding no thread and burning no CPU. A storm of tight-loop scrapers then
+# costs the engine's process a few rounds a second, not thousands of requests; Prometheus
+# (one scrape per 15 s per target) only sees up to half a second more latency.
+SCRAPE_ROUNDS_PER_S = 2.0
 
 
 def response(code: int, reason: str, body: bytes, ctype: str = "text/plain; charset=utf-8",
@@ -60,6 +67,8 @@ class Connection:
     need: int = 0  # total bytes the request takes (head + body), once known
     method: str = ""
     path: str = ""
+    released: bool = False  # a /metrics request whose round has come
+    pending: bytes = b""  # the rest of a response the reception began to send
 
     @property
     def peer(self) -> str:
@@ -82,13 +91,20 @@ class Reception(threading.Thread):
 
     def __init__(self, dispatch: Callable[[Connection], bool], healthz: Callable[[], bytes],
                  close: Callable[[Any], None], deadline_s: float, max_held: int,
-                 max_per_peer: int, max_per_peer_handlers: int) -> None:
+                 max_per_peer: int, max_per_peer_handlers: int,
+                 scrape_rounds_per_s: float = SCRAPE_ROUNDS_PER_S,
+                 fresh_scrape: Callable[[], bytes | None] | None = None) -> None:
         super().__init__(name="kvsidecar-http-reception", daemon=True)
         self._dispatch, self._healthz, self._close = dispatch, healthz, close
         self.deadline_s = deadline_s
         self.max_held = max_held
         self.max_per_peer = max_per_peer
         self.max_per_peer_handlers = max_per_peer_handlers
+        self._fresh_scrape = fresh_scrape  # the whole /metrics response while cached
+        self.scrapes_inline = 0
+        self.round_gap_s = 1.0 / scrape_rounds_per_s if scrape_rounds_per_s > 0 else 0.0
+        self._next_round = 0.0
+        self.scrape_rounds = 0
         self.sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
@@ -136,7 +152,7 @@ class Reception(threading.Thread):
     def run(self) -> None:
         try:
             while not self._halt.is_set():
-                self._step(0.05 if self._ready else 0.25)
+                self._step(0.02 if self._ready else 0.25)
         finally:
             for conn in [*self._incomplete, *self._ready, *self._new]:
                 self._close(conn.sock)
@@ -219,36 +235,56 @@ class Reception(threading.Thread):
             return
         start = max(0, len(conn.data) - 3)
         conn.data += chunk
-        if conn.head_end < 0:
-            end = _head_end(conn.data, start)
-            if end < 0:
-                if len(conn.data) > MAX_HEADER_BYTES:
-                    self.refused += 1
-                    self._drop(conn, TOO_LARGE)
-                return
-            problem = _parse_head(conn, end)
-            if problem is not None:
-                self.refused += 1
-                self._drop(conn, problem)
-                return
-        if len(conn.data) < conn.need:
-            return  # the body is still coming, within the same deadline
+        verdict = examine(conn, start)
+        if verdict == MORE:
+            return  # head or body still coming, within the same deadline
+        if isinstance(verdict, bytes):
+            self.refused += 1
+            self._drop(conn, verdict)
+            return
         self._forget(conn)
-        if conn.path == "/healthz" and conn.method in ("GET", "HEAD"):
+        if verdict == HEALTHZ:
             self.healthz_answered += 1
-            answer = self._healthz()
-            if conn.method == "HEAD":
-                answer = answer[:answer.index(b"\r\n\r\n") + 4]
-            self._send_close(conn.sock, answer)
+            self._send_close(conn.sock, healthz_answer(conn, self._healthz))
             return
         self._ready.append(conn)
 
+    def _scrape_inline(self, conn: Connection) -> bool:
+        """Answer a released scrape from the cached body on this thread (no handler thread
+        for the storm's usual case); what the socket does not take at once goes to a
+        handler (``pending``). False: no fresh body, a handler generates one."""
+        answer = self._fresh_scrape() if self._fresh_scrape is not None else None
+        if answer is None:
+            return False
+        try:
+            sent = conn.sock.send(answer)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn.sock)
+            return True
+        if sent >= len(answer):
+            self.scrapes_inline += 1
+            self._close(conn.sock)
+            return True
+        conn.pending = answer[sent:]
+        return False
+
     def _dispatch_ready(self, now: float) -> None:
         keep: list[Connection] = []
+        waiting = [c for c in self._ready if c.path == "/metrics" and not c.released]
+        if waiting and now >= self._next_round:  # a round: every scrape waiting now goes
+            self.scrape_rounds += 1
+            self._next_round = now + self.round_gap_s
+            for conn in waiting:
+                conn.released = True
         for conn in self._ready:
             with self._lock:
                 busy = self._in_handler.get(conn.peer, 0)
-            if busy < self.max_per_peer_handlers and self._dispatch(conn):
+            held_back = conn.path == "/metrics" and not conn.released
+            if conn.released and not conn.pending and self._scrape_inline(conn):
+                continue
+            if not held_back and busy < self.max_per_peer_handlers and self._dispatch(conn):
                 with self._lock:
                     self._in_handler[conn.peer] = self._in_handler.get(conn.peer, 0) + 1
             elif conn.deadline < now:
@@ -257,6 +293,32 @@ class Reception(threading.Thread):
             else:
                 keep.append(conn)
         self._ready = keep
+
+
+MORE, HEALTHZ, READY = "more", "healthz", "ready"
+
+
+def examine(conn: Connection, start: int = 0) -> str | bytes:
+    """What to do with ``conn`` after new bytes (``start``: where to look for the head's
+    end): :data:`MORE` (incomplete), :data:`HEALTHZ` (answer it here), :data:`READY` (for a
+    handler), or the error response to send before closing."""
+    if conn.head_end < 0:
+        end = _head_end(conn.data, start)
+        if end < 0:
+            return TOO_LARGE if len(conn.data) > MAX_HEADER_BYTES else MORE
+        problem = _parse_head(conn, end)
+        if problem is not None:
+            return problem
+    if len(conn.data) < conn.need:
+        return MORE
+    if conn.path == "/healthz" and conn.method in ("GET", "HEAD"):
+        return HEALTHZ
+    return READY
+
+
+def healthz_answer(conn: Connection, healthz: Callable[[], bytes]) -> bytes:
+    answer = healthz()
+    return answer[:answer.index(b"\r\n\r\n") + 4] if conn.method == "HEAD" else answer
 
 
 def _head_end(data: bytearray, start: int) -> int:

@@ -124,13 +124,15 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
                  max_handlers: int, deadline_s: float, healthz: Callable[[], bytes],
                  max_held: int = MAX_WAITING, max_per_peer: int = MAX_PER_PEER,
-                 max_per_peer_handlers: int | None = None) -> None:
+                 max_per_peer_handlers: int | None = None,
+                 fresh_scrape: Callable[[], bytes | None] | None = None) -> None:
         self._slots = threading.BoundedSemaphore(max_handlers)
         self.deadline_s = deadline_s
         super().__init__(address, handler)
         per_peer = max_per_peer_handlers or max(1, max_handlers // 2)
         self.reception = Reception(self.dispatch, healthz, self.shutdown_request, deadline_s,
-                                   max_held, max_per_peer, per_peer)
+                                   max_held, max_per_peer, per_peer,
+                                   fresh_scrape=fresh_scrape)
         self.reception.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -181,7 +183,8 @@ class SidecarServer:
         self.exposition = CachedExposition(registry, scrape_ttl_s)
         handler = self._handler(timeout_s)
         self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s,
-                                    self._healthz_response, max_connections, max_per_peer)
+                                    self._healthz_response, max_connections, max_per_peer,
+                                    fresh_scrape=self._fresh_scrape)
         self._thread: threading.Thread | None = None
 
     @property
@@ -245,6 +248,11 @@ class SidecarServer:
                                                          "error": type(exc).__name__})
         return (200 if ok else 503), body.encode() + b"\n"
 
+    def _fresh_scrape(self) -> bytes | None:
+        """The whole ``/metrics`` response while the cached body is fresh, else ``None``."""
+        body = self.exposition.fresh()
+        return None if body is None else response(200, "OK", body, CONTENT_TYPE_LATEST)
+
     def _healthz_response(self) -> bytes:
         """The whole ``/healthz`` response, built on the reception thread."""
         code, body = self._health()
@@ -270,6 +278,14 @@ class SidecarServer:
                 self.rfile = io.BytesIO(bytes(conn.data))
                 self.wfile = io.BufferedWriter(
                     _DeadlineWriter(conn.sock, time.monotonic() + timeout_s))
+
+            def handle(self) -> None:
+                conn: Connection = self.request
+                if conn.pending:  # a scrape the reception began: send the rest
+                    with contextlib.suppress(OSError):
+                        self.wfile.write(conn.pending)
+                    return
+                super().handle()
 
             def finish(self) -> None:
                 with contextlib.suppress(OSError):

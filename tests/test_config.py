@@ -103,7 +103,8 @@ def test_real_entry_point_exit_codes(tmp_path):
     bad = _write(tmp_path, "[sidecar]\nsample_every = 0\n")
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "config", "check", bad],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "sidecar.sample_every: must be >= 1 and <= 1000000000, got 0" in proc.stderr
+    assert proc.returncode == 2
+    assert "sidecar.sample_every: must be >= 1 and <= 1000000000, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr  # exit 0 through a subprocess: the lean case below
 
 
@@ -249,7 +250,8 @@ def test_one_table_and_no_env_name_collisions():
     schema = schema_mod.build_schema()
     assert schema.env_collisions == []
     fields = {f.name for f in dataclasses.fields(SidecarConfig)}
-    flag_keys = {k.path for k in schema.keys() if k.section != "sidecar"}
+    flag_keys = {f"{section}.{name}" for section, keys in schema.sections.items()
+                 if section != "sidecar" for name in keys}
     assert {n for n in LIMITS if "." not in n} <= fields
     assert {n for n in LIMITS if "." in n} <= flag_keys  # numeric flag keys, same table
     with pytest.raises(ValueError, match="leak_window must be >= 2 and <= 1000000, got 1"):

@@ -53,6 +53,7 @@ def test_every_numeric_field_is_bounded_by_the_one_table() -> None:
     ("scrub_every_s = 1e300", "sidecar.scrub_every_s: must be > 0 and <= 86400"),
     ("breaker_window_s = nan", "sidecar.breaker_window_s: must be"),
     ("seed = 1" + "0" * 400, "sidecar.seed: must be >="),
+    ("adapter_timeout_s = 1" + "0" * 400, "sidecar.adapter_timeout_s: must be a finite"),
     ("queue_size = 1" + "0" * 30, "sidecar.queue_size: must be >= 1 and <= 1000000"),
 ])
 def test_infinite_and_huge_numbers_are_refused(tmp_path, capsys, toml, says) -> None:
@@ -88,7 +89,10 @@ HOSTILE = {
     "inline_nesting_5000": (b"[sidecar]\ntolerances = " + b"{a=" * 5000 + b"1" +
                             b"}" * 5000 + b"\n", "nested too deeply"),
     "digits_5000": (b"[sidecar]\nseed = " + b"1" * 5000 + b"\n", "TOML cannot hold"),
-    "dotted_40k": (b"a" + b".a" * 20000 + b" = 1\n", "line 1 has 20000 dots"),
+    "dotted_40k": (b"a" + b".a" * 20000 + b" = 1\n", "has 20000 dots; at most 4096"),
+    "dotted_line": (b"a" + b".a" * 100 + b" = 1\n", "line 1 has 100 dots; at most 64"),
+    "many_dotted_lines": (b"".join(b"k%d" % i + b".a" * 63 + b" = 1\n" for i in range(1500)),
+                          "dots; at most 4096"),
     "too_big": (b"# " + b"x" * (MAX_CONFIG_BYTES + 10) + b"\n", "bytes; at most"),
     "nul_bytes": (b"[sidecar]\nseed = 1\x00\n", "not valid TOML"),
 }
@@ -112,7 +116,7 @@ def test_directories_and_special_files_are_refused_without_reading(tmp_path, cap
                        ("/dev/zero", "not a regular file"), ("/dev/null", "not a regular")]:
         got: list[list[str]] = []
         # On 75d8333 the FIFO blocked the reader for ever: wait with a cap, in a thread.
-        t = threading.Thread(target=lambda p=path: got.append(read_file(schema, p)[1]),
+        t = threading.Thread(target=lambda p=path, out=got: out.append(read_file(schema, p)[1]),
                              daemon=True)
         t.start()
         t.join(60)

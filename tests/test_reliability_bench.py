@@ -15,10 +15,15 @@ def test_bench_reliability_quick_json() -> None:
     out = json.loads(proc.stdout)
     rows = {r["name"]: r for r in out["rows"]}
     assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
-                         "adapter_faults", "evidence_sigkill"}
+                         "adapter_faults", "evidence_sigkill",
+                         "config_files", "config_env", "bearer_auth"}
     for r in rows.values():
         assert r["cases"] > 0 and r["escaped"] == 0 and r["lost"] == 0, r
         assert r["survived"] == r["cases"], r
     assert out["floods"]["labels"]["series"] < 100
     assert out["floods"]["http"]["idle_closed"] == out["floods"]["http"]["idle"]
+    web = out["http_surfaces"]  # issue 21: healthz throughout a slow-client attack
+    assert web["slow_clients"]["healthz_ok"] == web["slow_clients"]["healthz_checks"] > 0
+    assert web["scrape_storm"]["scrapes_served"] > 0
+    assert web["scrape_storm"]["generations"] < web["scrape_storm"]["scrapes_served"]
     assert out["ok"] is True

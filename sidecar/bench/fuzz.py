@@ -14,6 +14,7 @@ import contextlib
 import math
 import random
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -322,7 +323,7 @@ def _exchange(server: Any, request: bytes) -> bytes:
         theirs.shutdown(socket.SHUT_WR)
         ours.settimeout(1.0)
         try:
-            server.httpd.RequestHandlerClass(ours, ("127.0.0.1", 0), server.httpd)
+            _serve_one(server, ours)
         finally:
             ours.close()  # as the server would: then whatever was answered is readable
         try:
@@ -332,6 +333,31 @@ def _exchange(server: Any, request: bytes) -> bytes:
     finally:
         ours.close()
         theirs.close()
+
+
+def _serve_one(server: Any, sock: socket.socket) -> None:
+    """What the server does with one connection, on this thread: the reception's read and
+    verdict (:func:`sidecar.http_reception.examine`), then the real handler."""
+    from sidecar.http_reception import HEALTHZ, MORE, Connection, examine, healthz_answer
+
+    conn = Connection(sock, ("127.0.0.1", 0), time.monotonic() + 1.0)
+    verdict: str | bytes = MORE
+    while verdict == MORE:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return  # incomplete at the end: the reception closes it at the deadline
+        start = max(0, len(conn.data) - 3)
+        conn.data += chunk
+        verdict = examine(conn, start)
+    if isinstance(verdict, bytes):
+        sock.sendall(verdict)
+    elif verdict == HEALTHZ:
+        sock.sendall(healthz_answer(conn, server._healthz_response))
+    else:
+        server.httpd.RequestHandlerClass(conn, conn.address, server.httpd)
 
 
 _PROBE = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"

@@ -173,10 +173,17 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
     from sidecar.bench.surfaces import run_surface
 
     results = [run_surface(f, quick, seed + 10 + i) for i, f in enumerate(surfaces())]
+    # issue 21: config files and env, bearer auth, slow clients, scrape storm
+    from sidecar.bench.surface_http import run_surfaces
+
+    surface_rows, http_surfaces = run_surfaces(quick, seed + 21)
     # Every figure the table prints against a target is checked here, by name.
     checks = {
         "fuzz rows: nothing escaped, nothing lost":
             all(r.escaped == 0 and r.lost == 0 and r.survived == r.cases for r in rows),
+        "config/auth rows: nothing escaped, nothing lost":
+            all(r.escaped == 0 and r.lost == 0 for r in surface_rows),
+        "http surfaces: every check holds": bool(http_surfaces["ok"]),
         "label flood: < 100 series": floods["labels"]["series"] < 100,
         "http flood: every idle connection closed by timeout":
             floods["http"]["idle_closed"] == floods["http"]["idle"],
@@ -185,9 +192,11 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
         "hook flood: hostile/clean p99 ratio <= 2": floods["hook_latency"]["ratio"] <= 2.0,
         **{f"surface {r.name}: ok": r.ok for r in results},
     }
+    rows += surface_rows
     return {"quick": quick, "seed": seed, "ok": all(checks.values()),
             "rows": [r.row() for r in rows], "surfaces": [r.row() for r in results],
             "floods": floods, "checks": checks, "seconds": time.perf_counter() - started,
+            "http_surfaces": http_surfaces,
             "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0}
 
 
@@ -215,6 +224,9 @@ def print_table(out: dict[str, Any]) -> None:
               f"  {r['tried']}")
         if r["failed_checks"]:
             print(f"{'':<18}failed: {'; '.join(r['failed_checks'])}")
+    from sidecar.bench.surface_http import print_surfaces
+
+    print_surfaces(out["http_surfaces"])
     failed = [name for name, good in out["checks"].items() if not good]
     print("\nOK: every check holds (nothing escaped, lost, hung or traced back)"
           if out["ok"] else f"\nFAILED: {'; '.join(failed)}")
