@@ -206,7 +206,8 @@ def print_table(out: dict[str, Any]) -> None:
               f"{r['lost']:>6}  {r['tried']}")
     h, lab, web = (out["floods"][k] for k in ("hook_latency", "labels", "http"))
     print(f"\nhook flood ({h['calls']} calls in interleaved {h['batch']}-call batches, hit of "
-          f"{h['hit_tokens']} tokens): p99 of the per-call batch means, clean "
+          f"{h['hit_tokens']} tokens): p99 of the per-call batch means, best of "
+          f"{h['runs']} runs, clean "
           f"{h['clean_p99_us']:.1f} us, hostile {h['hostile_p99_us']:.1f} us "
           f"(ratio {h['ratio']:.2f}, target <= 2); unsampled {h['long_hit_tokens']}-token "
           f"hit p99 {h['long_hit_p99_us']:.1f} us (break 7: O(hit) cost left in monitor.py)")
