@@ -53,9 +53,14 @@ def prepare_directory(directory: Path) -> None:
     except OSError as exc:
         raise EvidenceDirRefused(directory, f"cannot create it: {exc.strerror}") from None
     try:
+        link = os.lstat(directory)
         st = os.stat(directory)
     except OSError as exc:
         raise EvidenceDirRefused(directory, f"cannot read it: {exc.strerror}") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+        raise EvidenceDirRefused(
+            directory, f"is a symbolic link owned by uid {link.st_uid}: another user chose "
+                       "where the evidence goes")
     if not stat.S_ISDIR(st.st_mode):
         raise EvidenceDirRefused(directory, "exists and is not a directory")
     if st.st_uid != os.geteuid():

@@ -32,6 +32,7 @@ DTYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
 }
 _BY_NAME = {name: (dtype, view) for dtype, (name, view) in DTYPES.items()}
 MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
+MAX_TENSORS = 2**16  # tensors in one file (evidence holds 4 per condemned block)
 MAX_EXTENT = 2**40  # product of a shape's dimensions (0 counted as 1): strides fit int64
 
 
@@ -87,6 +88,8 @@ def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise SafetensorsError(f"header is not JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object")
+    if len(header) > MAX_TENSORS + 1:
+        raise SafetensorsError(f"{len(header)} tensors, over the limit of {MAX_TENSORS}")
     body = memoryview(data)[8 + n:]
     metadata = header.pop("__metadata__", None)
     if metadata is None:

@@ -275,3 +275,21 @@ def test_plot_of_a_normal_record_still_draws(tmp_path, capsys) -> None:
                  str(tmp_path / "p.png")]) == 0
     plot = json.loads(capsys.readouterr().out)["plot"]
     assert (plot["layer"], plot["head"], plot["kv"], plot["token"]) == (1, 1, "V", 2)
+
+
+def test_a_header_of_a_million_tensors_is_refused() -> None:
+    header = {f"t{i}": _entry(shape=(0,), offsets=(0, 0)) for i in range(70_000)}
+    with pytest.raises(SafetensorsError, match="tensors, over the limit"):
+        loads(_header_file(header))
+
+
+def test_a_link_to_the_directory_planted_by_another_user_is_refused(tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a link to another user")
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "evidence"
+    link.symlink_to(mine)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(EvidenceDirRefused, match="symbolic link owned by uid 65534"):
+        EvidenceLog(capacity=1, directory=link)

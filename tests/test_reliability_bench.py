@@ -1,5 +1,8 @@
-"""``kv-sidecar bench reliability --quick`` in the suite (~10 s): every fuzzer, flood,
-adapter fault and SIGKILL cycle runs, nothing escapes, nothing is lost."""
+"""``kv-sidecar bench reliability --quick`` in the suite (~1-2 min): every fuzzer, flood,
+adapter fault, SIGKILL cycle and world-facing surface runs; nothing escapes, nothing is
+lost, nothing hangs or logs a traceback; ``ok`` is exactly the conjunction of the checks it
+prints. The timing check (hostile/clean hook p99 ratio) is part of ``ok`` but not asserted
+here: a test must not depend on timings holding on a loaded machine."""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import json
 import subprocess
 import sys
 
+TIMING_CHECKS = {"hook flood: hostile/clean p99 ratio <= 2"}
+
 
 def test_bench_reliability_quick_json() -> None:
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "bench", "reliability",
-                           "--quick", "--json"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                           "--quick", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     rows = {r["name"]: r for r in out["rows"]}
     assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
@@ -20,10 +25,25 @@ def test_bench_reliability_quick_json() -> None:
     for r in rows.values():
         assert r["cases"] > 0 and r["escaped"] == 0 and r["lost"] == 0, r
         assert r["survived"] == r["cases"], r
+    surfaces = {s["name"]: s for s in out["surfaces"]}
+    assert {"evidence_reader", "evidence_writer", "canary_server",
+            "otlp_endpoints"} <= set(surfaces)
+    for s in surfaces.values():
+        assert s["cases"] >= s["min_cases"] > 0, s
+        assert s["answered"] == s["cases"] and s["lost"] == 0, s
+        assert s["escaped"] == s["hangs"] == s["tracebacks"] == 0, s
+        assert s["failed_checks"] == [] and s["ok"] is True, s
+    assert surfaces["canary_server"]["figures"]["long_running"]["errors"], "no bad answers"
+    assert surfaces["evidence_writer"]["figures"]["planted"] > 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "bench reliability: evidence_reader" in proc.stderr  # progress is shown
     assert out["floods"]["labels"]["series"] < 100
     assert out["floods"]["http"]["idle_closed"] == out["floods"]["http"]["idle"]
     web = out["http_surfaces"]  # issue 21: healthz throughout a slow-client attack
     assert web["slow_clients"]["healthz_ok"] == web["slow_clients"]["healthz_checks"] > 0
     assert web["scrape_storm"]["scrapes_served"] > 0
     assert web["scrape_storm"]["generations"] < web["scrape_storm"]["scrapes_served"]
-    assert out["ok"] is True
+    for name, good in out["checks"].items():
+        assert good or name in TIMING_CHECKS, name
+    assert out["ok"] is all(out["checks"].values())
+    assert proc.returncode == (0 if out["ok"] else 1)

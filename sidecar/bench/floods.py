@@ -74,25 +74,30 @@ def hook_flood(n: int, seed: int = 0) -> dict[str, Any]:
     import gc
 
     batch = 10
-    clean_t: list[float] = []
-    bad_t: list[float] = []
     clock = time.perf_counter
+    clean_runs: list[float] = []
+    bad_runs: list[float] = []
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        for i in range(0, n, batch):
-            t = clock()
-            for _ in range(batch):
-                mon.on_lookup(good)
-            clean_t.append((clock() - t) / batch)
-            t = clock()
-            for j in range(batch):
-                mon.on_lookup(hostile[(i + j) % len(hostile)])
-            bad_t.append((clock() - t) / batch)
+        for _ in range(3):  # best of three runs per side: a preempted run is not the cost
+            clean_t: list[float] = []
+            bad_t: list[float] = []
+            for i in range(0, n, batch):
+                t = clock()
+                for _ in range(batch):
+                    mon.on_lookup(good)
+                clean_t.append((clock() - t) / batch)
+                t = clock()
+                for j in range(batch):
+                    mon.on_lookup(hostile[(i + j) % len(hostile)])
+                bad_t.append((clock() - t) / batch)
+            clean_runs.append(_p99(clean_t))
+            bad_runs.append(_p99(bad_t))
     finally:
         if gc_was:
             gc.enable()
-    clean, bad = _p99(clean_t), _p99(bad_t)
+    clean, bad = min(clean_runs), min(bad_runs)
     # Break 7, for the record: an unsampled 128k-token hit should cost what a short one
     # does. The Monitor's lifecycle log still walks the hit's blocks (owner: the Core v2
     # refactor of monitor.py), so this is reported, not asserted.
@@ -108,7 +113,7 @@ def hook_flood(n: int, seed: int = 0) -> dict[str, Any]:
         t = clock()
         mon.on_lookup(long)
         long_t.append(clock() - t)
-    return {"calls": 2 * n, "batch": batch,
+    return {"calls": 6 * n, "batch": batch, "runs": 3,
             "clean_p99_us": clean * 1e6, "hostile_p99_us": bad * 1e6,
             "ratio": bad / clean if clean else 0.0, "hit_tokens": good.hit_tokens,
             "long_hit_tokens": long_tokens, "long_hit_p99_us": _p99(long_t) * 1e6}

@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
+from sidecar.bench.fuzz import mutate_bytes
 from sidecar.bench.hostile_http import Answer, HostileServer, completion, honest
 from sidecar.bench.surface_evidence import mutate_obj
-from sidecar.bench.fuzz import mutate_bytes
 from sidecar.bench.surfaces import SurfaceResult
 from sidecar.canary.answers import LOGPROB_RANGE, MAX_COUNT
 from sidecar.canary.client import Completion, OpenAIClient, RequestFailed
