@@ -15,10 +15,12 @@ def test_bench_reliability_quick_json() -> None:
     out = json.loads(proc.stdout)
     rows = {r["name"]: r for r in out["rows"]}
     assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
-                         "adapter_faults", "evidence_sigkill"}
+                         "adapter_faults", "evidence_sigkill",
+                         "replay proxy"}  # sidecar/bench/reliability_proxy.py
     for r in rows.values():
         assert r["cases"] > 0 and r["escaped"] == 0 and r["lost"] == 0, r
         assert r["survived"] == r["cases"], r
     assert out["floods"]["labels"]["series"] < 100
     assert out["floods"]["http"]["idle_closed"] == out["floods"]["http"]["idle"]
     assert out["ok"] is True
+    assert out["replay_proxy"]["held_after"] == 0 and out["replay_proxy"]["threads_added"] == 0

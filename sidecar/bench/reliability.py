@@ -151,6 +151,10 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
         mon.stop()
     rows.append(adapter_faults(40 if quick else 400, seed + 4))
     rows.append(kill_cycles(3 if quick else 20, seed=seed + 5))
+    from sidecar.bench.reliability_proxy import proxy_surface  # the replay proxy (guard)
+
+    proxy_row, proxy_extra = proxy_surface(300 if quick else 10_000, seed + 7)
+    rows.append(proxy_row)
     floods = {"hook_latency": hook_flood(2000 if quick else 50_000, seed + 6),
               "labels": label_flood(500 if quick else 10_000),
               "http": http_flood(50 if quick else 300, 20 if quick else 200)}
@@ -159,7 +163,8 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
         and floods["http"]["scrapes_ok"] == floods["http"]["scrapers"]
     return {"quick": quick, "seed": seed, "ok": ok, "rows": [r.row() for r in rows],
             "floods": floods, "seconds": time.perf_counter() - started,
-            "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0}
+            "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0,
+            "replay_proxy": proxy_extra}
 
 
 def print_table(out: dict[str, Any]) -> None:
