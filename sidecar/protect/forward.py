@@ -301,6 +301,8 @@ class ForwardServer:
                 log.warning("%s: accept failed: %s", self.name, exc)
                 return
             sock.setblocking(False)
+            with contextlib.suppress(OSError):  # the head and the body go as they are written
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 full = self._held >= self.limits.max_connections
                 if not full:
@@ -459,6 +461,7 @@ class ForwardServer:
                 conn.connect()
                 upstream = conn.sock  # kept: http.client drops it once the answer will close
                 assert upstream is not None
+                upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 upstream.settimeout(lim.upstream_timeout_s)
                 conn.request(req.method, req.path, body=body if body else None,
                              headers=headers)
