@@ -124,7 +124,7 @@ def test_forwards_method_path_headers_and_body_unchanged(upstream: Upstream) -> 
         status, headers, body = _post(proxy, "/v1/completions?x=1", b'{"prompt": [1, 2]}',
                                       {"X-Client": "c1", "Content-Type": "application/json"})
         assert status == 201 and body == b'{"prompt": [1, 2]}'
-        assert headers["x-upstream"] == "yes" and headers["connection"] == "close"
+        assert headers["x-upstream"] == "yes"  # the answer as the upstream sent it
         path, seen_headers, seen_body = upstream.seen[-1]
         assert path == "/v1/completions?x=1" and seen_body == b'{"prompt": [1, 2]}'
         assert seen_headers["X-Client"] == "c1"
@@ -263,7 +263,9 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(b"ok")
     def log_message(self, *a):
         pass
-s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+class S(ThreadingHTTPServer):
+    request_queue_size = 64
+s = S(("127.0.0.1", 0), H)
 print(s.server_address[1], flush=True)
 s.serve_forever()
 """
@@ -290,7 +292,7 @@ def test_large_bodies_are_forwarded_and_their_memory_returned() -> None:
                 t.start()
             for t in threads:
                 t.join()
-            assert results == [201] * 24
+            assert results == [201] * 24, (results, proxy.stats, proxy.rejected)
             _wait_for(lambda: proxy.held() == 0, "released")
             grown = _rss_mb() - base
             assert grown < 40, f"RSS still {grown:.0f} MB above where it was"

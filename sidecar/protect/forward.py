@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import http.client
 import logging
 import queue
 import selectors
@@ -451,57 +450,78 @@ class ForwardServer:
                 log.exception("%s: answered() failed", self.name)
 
     def _forward(self, client: socket.socket, req: Request, body: bytes) -> int | None:
+        """Send the request to the upstream with ``Connection: close`` and relay its answer
+        byte for byte until the upstream closes (its own framing, chunked SSE included,
+        goes through untouched: nothing is parsed but the status line). Returns the status,
+        or None when no complete answer reached the client."""
         lim = self.limits
         host, port = self.upstream
-        headers = {k: v for k, v in req.headers if k.lower() not in HOP_BY_HOP}
-        conn = http.client.HTTPConnection(host, port, timeout=lim.connect_timeout_s)
+        head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {host}:{port}"]
+        head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        if body or req.method in ("POST", "PUT", "PATCH"):
+            head.append(f"Content-Length: {len(body)}")
+        head.append("Connection: close")
+        message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         deadline = time.monotonic() + lim.response_deadline_s
         try:
+            upstream = socket.create_connection((host, port), timeout=lim.connect_timeout_s)
+        except OSError as exc:
+            self._count("upstream_errors", 502)
+            self._send(client, error(502, f"upstream unreachable: {exc}").encode())
+            return None
+        status: int | None = None
+        try:
+            upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            upstream.settimeout(lim.upstream_timeout_s)
             try:
-                conn.connect()
-                upstream = conn.sock  # kept: http.client drops it once the answer will close
-                assert upstream is not None
-                upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                upstream.settimeout(lim.upstream_timeout_s)
-                conn.request(req.method, req.path, body=body if body else None,
-                             headers=headers)
-                resp = conn.getresponse()
-            except TimeoutError:
+                upstream.sendall(message + bytes(body) if len(body) < 65536 else message)
+                if len(body) >= 65536:
+                    upstream.sendall(body)
+            except OSError as exc:
+                self._count("upstream_errors", 502)
+                self._send(client, error(502, f"upstream refused the request: {exc}").encode())
+                return None
+            first = b""
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                upstream.settimeout(min(lim.upstream_timeout_s, left))
+                chunk = upstream.recv(65536)
+                if not chunk:
+                    break
+                if status is None:
+                    first += chunk
+                    if b"\r\n" not in first and len(first) < 1024:
+                        continue
+                    status = _status_of(first)
+                    if status is None:
+                        self._count("upstream_errors", 502)
+                        self._send(client, error(502, "upstream answered no HTTP").encode())
+                        return None
+                    chunk, first = first, b""
+                if not self._send(client, chunk):
+                    return None
+        except TimeoutError:
+            if status is None:
                 self._count("upstream_errors", 504)
                 self._send(client, error(504, "upstream timed out").encode())
-                return None
-            except (OSError, http.client.HTTPException) as exc:
-                self._count("upstream_errors", 502)
-                self._send(client, error(502, f"upstream unreachable: {exc}").encode())
-                return None
-            head = [f"HTTP/1.1 {resp.status} {resp.reason}"]
-            head += [f"{k}: {v}" for k, v in resp.getheaders()
-                     if k.lower() not in HOP_BY_HOP or k.lower() == "content-length"]
-            head.append("Connection: close")
-            if not self._send(client, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")):
-                return None
-            try:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left > 0:
-                        upstream.settimeout(min(lim.upstream_timeout_s, left))
-                        chunk = resp.read1(65536)  # SSE streams pass through as they come
-                        if not chunk:
-                            break
-                        if not self._send(client, chunk):
-                            return None
-                        continue
-                    log.warning("%s: upstream answer past its %gs deadline: cut",
-                                self.name, lim.response_deadline_s)
-                    self._count("upstream_errors")
-                    return None
-            except (OSError, http.client.HTTPException) as exc:
-                log.info("%s: upstream answer broke off: %s", self.name, exc)
+            else:
+                log.warning("%s: upstream answer stalled or past its deadline: cut", self.name)
                 self._count("upstream_errors")
-                return None
-            return int(resp.status)
+            return None
+        except OSError as exc:
+            log.info("%s: upstream answer broke off: %s", self.name, exc)
+            self._count("upstream_errors", None if status else 502)
+            if status is None:
+                self._send(client, error(502, f"upstream failed: {exc}").encode())
+            return None
         finally:
-            conn.close()
+            upstream.close()
+        if status is None:
+            self._count("upstream_errors", 502)
+            self._send(client, error(502, "upstream closed without an answer").encode())
+        return status
 
     def _send(self, sock: socket.socket, data: bytes) -> bool:
         try:
@@ -509,6 +529,14 @@ class ForwardServer:
             return True
         except OSError:  # the client went away or stopped reading past write_timeout_s
             return False
+
+
+def _status_of(first: bytes) -> int | None:
+    """The status code of an HTTP/1.x status line at the start of ``first``."""
+    parts = first.split(b"\r\n", 1)[0].split(b" ", 2)
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/1.") and parts[1].isdigit():
+        return int(parts[1])
+    return None
 
 
 def header_list(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
