@@ -82,13 +82,16 @@ def _process(code: str, *args: str) -> Iterator[int]:
         proc.wait()
 
 
-def _body(i: int) -> bytes:
+def _body(i: int, model: str | None) -> bytes:
     prompt = [3 + (i * 7 + j) % 400 for j in range(120)]
-    return json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 8,
-                       "temperature": 0.0}).encode()
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    if model:
+        body["model"] = model
+    return json.dumps(body).encode()
 
 
-def _load(port: int, concurrency: int, per_client: int) -> tuple[float, list[float]]:
+def _load(port: int, concurrency: int, per_client: int,
+          model: str | None = None) -> tuple[float, list[float]]:
     """``concurrency`` clients, ``per_client`` requests each: (requests/s, latencies)."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -100,7 +103,7 @@ def _load(port: int, concurrency: int, per_client: int) -> tuple[float, list[flo
             t0 = time.perf_counter()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             try:
-                conn.request("POST", "/v1/completions", _body(c * per_client + i),
+                conn.request("POST", "/v1/completions", _body(c * per_client + i, model),
                              {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 r.read()
@@ -132,7 +135,7 @@ def _q(xs: list[float], q: float) -> float:
 
 
 def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: int,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, model: str | None = None) -> dict[str, Any]:
     """``rounds`` pairs of back-to-back loads (direct then guard, or the other way round):
     the throughput ratio is the median of the per-pair ratios, so the shared machine's
     drift between pairs cancels out."""
@@ -141,14 +144,14 @@ def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: i
     rates: dict[str, list[float]] = {"direct": [], "guard": []}
     lats: dict[str, list[float]] = {"direct": [], "guard": []}
     ratios: list[float] = []
-    _load(guard_port, concurrency, 2)  # warm both paths
-    _load(upstream_port, concurrency, 2)
+    _load(guard_port, concurrency, 2, model)  # warm both paths
+    _load(upstream_port, concurrency, 2, model)
     for r in range(rounds):
         order = ("direct", "guard") if r % 2 == 0 else ("guard", "direct")
         pair = {}
         for path in order:
             rate, lat = _load(upstream_port if path == "direct" else guard_port,
-                              concurrency, per_client)
+                              concurrency, per_client, model)
             pair[path] = rate
             rates[path].append(rate)
             lats[path].extend(lat)

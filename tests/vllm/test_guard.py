@@ -121,6 +121,24 @@ def test_guard_keeps_answers_clean_and_reset_cleans_the_cache(server: Server) ->
     for p in prompts:
         _ask(direct, p)  # the cache now holds every prefix
 
+    # The closed guard's overhead at the tests' concurrency, against this real server
+    # (measured and reported, not asserted: `bench perf --guard` is where the target lives).
+    from sidecar.bench.perf_guard import measure
+
+    plain = BypassGuard(GuardConfig(upstream=("127.0.0.1", server.port), model=canary.model,
+                                    verify_every=0)).start()
+    try:
+        m = measure(server.port, plain.server.address[1], concurrency=2, per_client=4,
+                    rounds=6, model=canary.model)
+    finally:
+        plain.stop()
+    MEASUREMENTS["guard closed vs direct (real vLLM, concurrency 2): throughput ratio"] = round(
+        m["throughput_ratio"], 3)
+    MEASUREMENTS["guard closed vs direct (real vLLM): P50 ms guard/direct"] = \
+        f"{m['guard']['p50_ms']:.1f}/{m['direct']['p50_ms']:.1f}"
+    MEASUREMENTS["guard closed vs direct (real vLLM): P99 ms guard/direct"] = \
+        f"{m['guard']['p99_ms']:.1f}/{m['direct']['p99_ms']:.1f}"
+
     exporter = CanaryExporter(canary.model, Metrics("guard", canary.model))
     guard = BypassGuard(
         GuardConfig(upstream=("127.0.0.1", server.port), model=canary.model, verify_every=1,
