@@ -88,6 +88,7 @@ class Request:
     headers: list[tuple[str, str]]
     body: bytes
     peer: str = ""
+    meta: dict[str, object] = field(default_factory=dict)  # what a ForwardApp notes on it
 
     def header(self, name: str) -> str | None:
         low = name.lower()

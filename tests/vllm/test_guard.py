@@ -61,7 +61,7 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
              "--kv-transfer-config", json.dumps(kv)],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # a loaded 2-core machine: starts took 155 s
         while True:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=2)
