@@ -353,3 +353,43 @@ def test_the_reliability_bench_surface_checks_every_case() -> None:
     assert row.escaped == 0 and row.lost == 0
     assert extra["slow_answered_408"] == 20 and extra["held_after"] == 0
     assert extra["threads_added"] == 0
+
+
+def test_the_replay_proxy_itself_is_bounded(upstream: Upstream) -> None:
+    """Issue 21 break 7, on the replay proxy's own surface (its constructor as at 75d8333):
+    a 400 MB Content-Length is a 413 at once, -1 is a 400, and 200 idle connections add no
+    thread (the old proxy: a thread per connection, never closed)."""
+    from sidecar.canary.client import OpenAIClient
+    from sidecar.canary.compare import Tolerance
+    from sidecar.canary.endpoint import parse_endpoint
+    from sidecar.canary.exporter import CanaryExporter
+    from sidecar.canary.replay import ReplayProxy
+
+    client = OpenAIClient(parse_endpoint(f"http://127.0.0.1:{upstream.address[1]}/v1"))
+    proxy = ReplayProxy(client, CanaryExporter("m"), Tolerance("float32", 1), 10).start()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    addr = (host, int(port))
+    socks: list[socket.socket] = []
+    try:
+        def raw(data: bytes) -> bytes:
+            with socket.create_connection(addr, timeout=30) as s:
+                s.sendall(data)
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: 400000000\r\n\r\n").startswith(
+            b"HTTP/1.1 413 ")
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n").startswith(
+            b"HTTP/1.1 400 ")
+        before = threading.active_count()
+        for _ in range(200):  # under the default max_connections (256): all held
+            socks.append(socket.create_connection(addr, timeout=30))
+            socks[-1].sendall(b"POST / HTTP/1.1\r\n")
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok").endswith(b"ok")
+        assert threading.active_count() == before
+    finally:
+        for s in socks:
+            s.close()
+        proxy.stop()
