@@ -124,7 +124,7 @@ def test_forwards_method_path_headers_and_body_unchanged(upstream: Upstream) -> 
         status, headers, body = _post(proxy, "/v1/completions?x=1", b'{"prompt": [1, 2]}',
                                       {"X-Client": "c1", "Content-Type": "application/json"})
         assert status == 201 and body == b'{"prompt": [1, 2]}'
-        assert headers["x-upstream"] == "yes" and headers["connection"] == "close"
+        assert headers["x-upstream"] == "yes"  # the answer as the upstream sent it
         path, seen_headers, seen_body = upstream.seen[-1]
         assert path == "/v1/completions?x=1" and seen_body == b'{"prompt": [1, 2]}'
         assert seen_headers["X-Client"] == "c1"
@@ -263,7 +263,9 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(b"ok")
     def log_message(self, *a):
         pass
-s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+class S(ThreadingHTTPServer):
+    request_queue_size = 64
+s = S(("127.0.0.1", 0), H)
 print(s.server_address[1], flush=True)
 s.serve_forever()
 """
@@ -290,7 +292,7 @@ def test_large_bodies_are_forwarded_and_their_memory_returned() -> None:
                 t.start()
             for t in threads:
                 t.join()
-            assert results == [201] * 24
+            assert results == [201] * 24, (results, proxy.stats, proxy.rejected)
             _wait_for(lambda: proxy.held() == 0, "released")
             grown = _rss_mb() - base
             assert grown < 40, f"RSS still {grown:.0f} MB above where it was"
@@ -338,4 +340,56 @@ def test_an_app_answers_its_paths_and_rewrites_the_rest(upstream: Upstream) -> N
         _wait_for(lambda: app.answered_with == [(b"ABC", 201)], "answered() told")
         assert [s[2] for s in upstream.seen] == [b"ABC"]
     finally:
+        proxy.stop()
+
+
+def test_the_reliability_bench_surface_checks_every_case() -> None:
+    """bench reliability's replay-proxy surface: each hostile case answered as it should
+    be, the proxy still serving, no thread or connection left behind."""
+    from sidecar.bench.reliability_proxy import proxy_surface
+
+    row, extra = proxy_surface(200, seed=3)
+    assert row.cases == 220 and row.survived == row.cases
+    assert row.escaped == 0 and row.lost == 0
+    assert extra["slow_answered_408"] == 20 and extra["held_after"] == 0
+    assert extra["threads_added"] == 0
+
+
+def test_the_replay_proxy_itself_is_bounded(upstream: Upstream) -> None:
+    """Issue 21 break 7, on the replay proxy's own surface (its constructor as at 75d8333):
+    a 400 MB Content-Length is a 413 at once, -1 is a 400, and 200 idle connections add no
+    thread (the old proxy: a thread per connection, never closed)."""
+    from sidecar.canary.client import OpenAIClient
+    from sidecar.canary.compare import Tolerance
+    from sidecar.canary.endpoint import parse_endpoint
+    from sidecar.canary.exporter import CanaryExporter
+    from sidecar.canary.replay import ReplayProxy
+
+    client = OpenAIClient(parse_endpoint(f"http://127.0.0.1:{upstream.address[1]}/v1"))
+    proxy = ReplayProxy(client, CanaryExporter("m"), Tolerance("float32", 1), 10).start()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    addr = (host, int(port))
+    socks: list[socket.socket] = []
+    try:
+        def raw(data: bytes) -> bytes:
+            with socket.create_connection(addr, timeout=30) as s:
+                s.sendall(data)
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: 400000000\r\n\r\n").startswith(
+            b"HTTP/1.1 413 ")
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n").startswith(
+            b"HTTP/1.1 400 ")
+        before = threading.active_count()
+        for _ in range(200):  # under the default max_connections (256): all held
+            socks.append(socket.create_connection(addr, timeout=30))
+            socks[-1].sendall(b"POST / HTTP/1.1\r\n")
+        assert raw(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok").endswith(b"ok")
+        assert threading.active_count() == before
+    finally:
+        for s in socks:
+            s.close()
         proxy.stop()

@@ -296,3 +296,25 @@ def test_cli_refuses_a_public_listen_address_without_a_token(
     monkeypatch.delenv("KVSIDECAR_TOKEN", raising=False)
     rc = main(["guard", "--upstream", "http://127.0.0.1:1", "--listen", "0.0.0.0:0"])
     assert rc == 2 and "token" in capsys.readouterr().err
+
+
+def test_bench_perf_guard_measures_both_paths_side_by_side() -> None:
+    """`bench perf --guard --quick`: the figures exist and are measured, not asserted."""
+    from sidecar.bench.perf_guard import guard_rows
+
+    raw: dict[str, Any] = {}
+    rows = guard_rows(quick=True, repeats=1, raw=raw)
+    assert [r.figure.split(":")[0] for r in rows] == ["guard closed"] * 3
+    assert all(r.sidecar > 0 and r.baseline > 0 for r in rows)
+    assert len(raw["guard"]["pair_ratios"]) == 2 and rows[0].met is not None
+
+
+def test_config_check_knows_the_guard_section(tmp_path: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('[guard]\nupstream = "http://127.0.0.1:8000"\nhold = 30.0\nprobes = 3\n')
+    bad.write_text('[guard]\nhold = inf\nworkers = 0\n')
+    assert main(["config", "check", str(good)]) == 0
+    assert main(["config", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "guard.hold" in err and "guard.workers" in err

@@ -21,7 +21,8 @@ def test_bench_reliability_quick_json() -> None:
     rows = {r["name"]: r for r in out["rows"]}
     assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
                          "adapter_faults", "evidence_sigkill",
-                         "config_files", "config_env", "bearer_auth"}
+                         "config_files", "config_env", "bearer_auth",
+                         "replay proxy"}  # sidecar/bench/reliability_proxy.py
     for r in rows.values():
         assert r["cases"] > 0 and r["escaped"] == 0 and r["lost"] == 0, r
         assert r["survived"] == r["cases"], r
@@ -47,3 +48,4 @@ def test_bench_reliability_quick_json() -> None:
         assert good or name in TIMING_CHECKS, name
     assert out["ok"] is all(out["checks"].values())
     assert proc.returncode == (0 if out["ok"] else 1)
+    assert out["replay_proxy"]["held_after"] == 0 and out["replay_proxy"]["threads_added"] == 0

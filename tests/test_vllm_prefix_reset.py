@@ -102,3 +102,36 @@ def test_requests_are_rate_limited(metrics: Metrics) -> None:
 def test_settings_are_finite_and_bounded(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         ResetSettings(**bad)
+
+
+def test_vllm_serve_flag_wires_an_anomalous_verdict_to_a_reset(metrics: Metrics) -> None:
+    """`vllm serve --reset-prefix-cache`: the Monitor's verdict listener asks for a reset on
+    an anomalous verdict only; without --engine-url it refuses to start."""
+    from types import SimpleNamespace
+
+    from sidecar.adapters.vllm.cli import _prefix_reset, parser
+
+    for fake in _fake(busy_for=0):
+        args = parser().parse_args(["serve", "--model", "m", "--dtype", "float32",
+                                    "--block-size", "32", "--reset-prefix-cache",
+                                    "--engine-url", fake.url])
+        sc = SimpleNamespace(monitor=SimpleNamespace(verdict_listeners=[]), metrics=metrics)
+        reset = _prefix_reset(args, sc)
+        assert reset is not None and len(sc.monitor.verdict_listeners) == 1
+        listener = sc.monitor.verdict_listeners[0]
+        listener(SimpleNamespace(findings=[]))  # clean: nothing
+        assert not reset.history and fake.calls == 0
+        listener(SimpleNamespace(findings=["zeros"]))
+        ev = threading.Event()
+        for _ in range(400):
+            if reset.history:
+                break
+            ev.wait(0.05)
+        assert reset.history[0]["result"] == "reset" and fake.calls == 1
+    off = parser().parse_args(["serve", "--model", "m", "--dtype", "float32",
+                               "--block-size", "32"])
+    assert _prefix_reset(off, None) is None
+    no_url = parser().parse_args(["serve", "--model", "m", "--dtype", "float32",
+                                  "--block-size", "32", "--reset-prefix-cache"])
+    with pytest.raises(SystemExit, match="engine-url"):
+        _prefix_reset(no_url, None)

@@ -2,8 +2,8 @@
 
 Requests go to the same upstream directly and through a closed guard, interleaved in
 alternating rounds (so drift on a shared machine hits both alike), at a fixed concurrency;
-the figures are throughput (requests/s) and latency P50/P99, guard over direct. The target
-is throughput >= 0.98 of direct.
+the figures are throughput (requests/s; the ratio is the median of per-pair ratios) and
+latency P50/P99, guard over direct. The target is throughput >= 0.98 of direct.
 
 The guard runs in its own process, as in production (a proxy sharing the load generator's
 interpreter would measure the GIL, not the guard). The upstream is either a real server
@@ -37,6 +37,7 @@ ANSWER = json.dumps({"id": "cmpl", "object": "text_completion", "choices": [
     "usage": {"prompt_tokens": 120, "completion_tokens": 8, "total_tokens": 128}}).encode()
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall between head and body
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         time.sleep(SERVICE)
@@ -47,9 +48,10 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(ANSWER)
     def log_message(self, *a):
         pass
-s = ThreadingHTTPServer(("127.0.0.1", 0), H)
-s.daemon_threads = True
-s.request_queue_size = 256
+class S(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # read by listen() in the constructor
+s = S(("127.0.0.1", 0), H)
 print(s.server_address[1], flush=True)
 s.serve_forever()
 """
@@ -80,13 +82,16 @@ def _process(code: str, *args: str) -> Iterator[int]:
         proc.wait()
 
 
-def _body(i: int) -> bytes:
+def _body(i: int, model: str | None) -> bytes:
     prompt = [3 + (i * 7 + j) % 400 for j in range(120)]
-    return json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 8,
-                       "temperature": 0.0}).encode()
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    if model:
+        body["model"] = model
+    return json.dumps(body).encode()
 
 
-def _load(port: int, concurrency: int, per_client: int) -> tuple[float, list[float]]:
+def _load(port: int, concurrency: int, per_client: int,
+          model: str | None = None) -> tuple[float, list[float]]:
     """``concurrency`` clients, ``per_client`` requests each: (requests/s, latencies)."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -98,7 +103,7 @@ def _load(port: int, concurrency: int, per_client: int) -> tuple[float, list[flo
             t0 = time.perf_counter()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             try:
-                conn.request("POST", "/v1/completions", _body(c * per_client + i),
+                conn.request("POST", "/v1/completions", _body(c * per_client + i, model),
                              {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 r.read()
@@ -130,24 +135,32 @@ def _q(xs: list[float], q: float) -> float:
 
 
 def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: int,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, model: str | None = None) -> dict[str, Any]:
+    """``rounds`` pairs of back-to-back loads (direct then guard, or the other way round):
+    the throughput ratio is the median of the per-pair ratios, so the shared machine's
+    drift between pairs cancels out."""
     out: dict[str, Any] = {"concurrency": concurrency, "requests_per_round":
                            concurrency * per_client, "rounds": rounds}
     rates: dict[str, list[float]] = {"direct": [], "guard": []}
     lats: dict[str, list[float]] = {"direct": [], "guard": []}
-    _load(guard_port, concurrency, 2)  # warm both paths
+    ratios: list[float] = []
+    _load(guard_port, concurrency, 2, model)  # warm both paths
+    _load(upstream_port, concurrency, 2, model)
     for r in range(rounds):
         order = ("direct", "guard") if r % 2 == 0 else ("guard", "direct")
+        pair = {}
         for path in order:
             rate, lat = _load(upstream_port if path == "direct" else guard_port,
-                              concurrency, per_client)
+                              concurrency, per_client, model)
+            pair[path] = rate
             rates[path].append(rate)
             lats[path].extend(lat)
+        ratios.append(pair["guard"] / pair["direct"])
     for path in ("direct", "guard"):
         out[path] = {"throughput_rps": statistics.median(rates[path]),
-                     "throughput_spread": [min(rates[path]), max(rates[path])],
                      "p50_ms": 1000 * _q(lats[path], 0.5), "p99_ms": 1000 * _q(lats[path], 0.99)}
-    out["throughput_ratio"] = out["guard"]["throughput_rps"] / out["direct"]["throughput_rps"]
+    out["throughput_ratio"] = statistics.median(ratios)
+    out["pair_ratios"] = [round(x, 4) for x in ratios]
     return out
 
 
@@ -156,8 +169,8 @@ def guard_rows(quick: bool, repeats: int, raw: dict[str, Any],
     from sidecar.bench.perf import Row
     from sidecar.canary.endpoint import parse_endpoint
 
-    concurrency, per_client = (4, 5) if quick else (8, 25)
-    rounds = max(2, repeats)
+    concurrency, per_client = (4, 5) if quick else (8, 12)
+    rounds = 2 if quick else max(10, 2 * repeats)
     with _standin_or(upstream) as up_port, _process(_GUARD, str(up_port)) as guard_port:
         m = measure(up_port, guard_port, concurrency, per_client, rounds)
     m["upstream"] = upstream or f"stand-in ({STAND_IN_SERVICE_S * 1000:g} ms per request)"
@@ -165,8 +178,7 @@ def guard_rows(quick: bool, repeats: int, raw: dict[str, Any],
         parse_endpoint(upstream.rstrip("/") + "/v1")  # loopback only, checked
     raw["guard"] = m
     d, g = m["direct"], m["guard"]
-    lo = g["throughput_spread"][0] / d["throughput_spread"][1]
-    hi = g["throughput_spread"][1] / d["throughput_spread"][0]
+    lo, hi = min(m["pair_ratios"]), max(m["pair_ratios"])
     return [
         Row(f"guard closed: throughput at concurrency {concurrency}", g["throughput_rps"],
             d["throughput_rps"], "req/s", m["throughput_ratio"],

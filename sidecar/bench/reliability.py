@@ -175,6 +175,10 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
     _progress("adapter_faults, evidence_sigkill, floods")
     rows.append(adapter_faults(40 if quick else 400, seed + 4))
     rows.append(kill_cycles(3 if quick else 20, seed=seed + 5))
+    from sidecar.bench.reliability_proxy import proxy_surface  # the replay proxy (guard)
+
+    proxy_row, proxy_extra = proxy_surface(300 if quick else 10_000, seed + 7)
+    rows.append(proxy_row)
     floods = {"hook_latency": hook_flood(2000 if quick else 50_000, seed + 6),
               "labels": label_flood(500 if quick else 10_000),
               "http": http_flood(50 if quick else 300, 20 if quick else 200)}
@@ -204,7 +208,7 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
     return {"quick": quick, "seed": seed, "ok": all(checks.values()),
             "rows": [r.row() for r in rows], "surfaces": [r.row() for r in results],
             "floods": floods, "checks": checks, "seconds": time.perf_counter() - started,
-            "http_surfaces": http_surfaces,
+            "http_surfaces": http_surfaces, "replay_proxy": proxy_extra,
             "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0}
 
 

@@ -26,6 +26,7 @@ import json
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -210,7 +211,13 @@ class ReplayProxy:
         self.verifier.stop()
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        self.verifier.drain(timeout_s)
+        """Wait until every forwarded request is finished (a sample is queued after its
+        answer went out, which a client can read before that) and every replay compared."""
+        deadline = time.monotonic() + timeout_s
+        idle = threading.Event()
+        while self.server.held() and time.monotonic() < deadline:
+            idle.wait(0.01)
+        self.verifier.drain(max(0.0, deadline - time.monotonic()))
 
     def maybe_sample(self, path: str, body: bytes) -> None:
         if not path.split("?", 1)[0].endswith("/completions"):

@@ -109,8 +109,6 @@ class GuardApp(ForwardApp):
     def __init__(self, guard: BypassGuard) -> None:
         self.guard = guard
         self._seen = itertools.count(1)
-        self._verify: set[int] = set()  # id() of requests to replay once answered
-        self._lock = threading.Lock()
 
     def local(self, request: Request) -> Reply | None:
         if not request.route.startswith("/guard/"):
@@ -156,8 +154,7 @@ class GuardApp(ForwardApp):
             route is Route.FORWARDED and g.cfg.verify_every > 0
             and next(self._seen) % g.cfg.verify_every == 0)
         if verify:
-            with self._lock:
-                self._verify.add(id(request))
+            request.meta["verify"] = True  # replayed once answered
         if route is Route.BYPASSED:
             body = salted(request.body)
             if body is None:  # not JSON: the server answers 400 to it anyway
@@ -169,10 +166,8 @@ class GuardApp(ForwardApp):
         return request.body
 
     def answered(self, request: Request, forwarded: bytes, status: int) -> None:
-        with self._lock:
-            if id(request) not in self._verify:
-                return
-            self._verify.discard(id(request))
+        if not request.meta.get("verify"):
+            return
         if status == 200 and self.guard.verifier is not None:
             self.guard.verifier.submit(request.path, forwarded)
 

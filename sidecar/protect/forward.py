@@ -34,89 +34,31 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import http.client
 import logging
 import queue
 import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
+from sidecar.protect.wire import (
+    HOP_BY_HOP,
+    BadRequest,
+    ForwardLimits,
+    Reply,
+    Request,
+    error,
+    header_list,
+    parse_head,
+    status_of,
+)
+
+__all__ = ["HOP_BY_HOP", "BadRequest", "ForwardApp", "ForwardLimits", "ForwardServer", "Reply",
+           "Request", "error", "header_list", "parse_head"]
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
-                        "proxy-authorization", "te", "trailers", "transfer-encoding",
-                        "upgrade", "host", "content-length", "expect"})
-_REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
-            411: "Length Required", 413: "Content Too Large",
-            431: "Request Header Fields Too Large", 502: "Bad Gateway",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
 TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a heap trim
-MAX_HEADERS = 100
-
-
-@dataclass(frozen=True)
-class ForwardLimits:
-    """The bounds of one proxy (see the module docstring for why each exists)."""
-
-    max_connections: int = 256
-    workers: int = 32
-    request_deadline_s: float = 30.0
-    max_header_bytes: int = 64 * 1024
-    max_body_bytes: int = 8 * 1024 * 1024
-    buffer_budget_bytes: int = 64 * 1024 * 1024
-    connect_timeout_s: float = 5.0
-    upstream_timeout_s: float = 120.0
-    response_deadline_s: float = 600.0
-    write_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if not (value > 0 and value < float("inf")):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.max_body_bytes > self.buffer_budget_bytes:
-            raise ValueError("max_body_bytes must not exceed buffer_budget_bytes")
-
-
-@dataclass
-class Request:
-    """One complete request as the client sent it (headers in order, names as sent)."""
-
-    method: str
-    path: str
-    headers: list[tuple[str, str]]
-    body: bytes
-    peer: str = ""
-
-    def header(self, name: str) -> str | None:
-        low = name.lower()
-        return next((v for k, v in self.headers if k.lower() == low), None)
-
-    @property
-    def route(self) -> str:
-        return self.path.split("?", 1)[0]
-
-
-@dataclass
-class Reply:
-    """An answer the proxy gives itself (an error, or a path a :class:`ForwardApp` owns)."""
-
-    status: int
-    body: bytes = b""
-    content_type: str = "text/plain; charset=utf-8"
-    headers: list[tuple[str, str]] = field(default_factory=list)
-
-    def encode(self) -> bytes:
-        head = [f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'OK')}",
-                f"Content-Type: {self.content_type}", f"Content-Length: {len(self.body)}",
-                "Connection: close", *(f"{k}: {v}" for k, v in self.headers)]
-        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
-
-
-def error(status: int, message: str) -> Reply:
-    return Reply(status, (message + "\n").encode())
 
 
 class ForwardApp:
@@ -148,41 +90,6 @@ class _Incoming:
         self.length = 0
         self.reserved = 0
         self.request: Request | None = None
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
-    """Method, target, headers and body length of a request head; :class:`BadRequest` for
-    anything a forwarding proxy cannot pass on safely."""
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in ("HTTP/1.0", "HTTP/1.1") or not target.startswith("/"):
-        raise BadRequest(400, "only origin-form HTTP/1.x requests are forwarded")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(431, f"more than {MAX_HEADERS} header lines")
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
-            raise BadRequest(400, "malformed header line")
-        headers.append((name, value.strip()))
-    lengths = {v for k, v in headers if k.lower() == "content-length"}
-    if any(k.lower() == "transfer-encoding" for k, _ in headers):
-        raise BadRequest(411, "chunked request bodies are not forwarded: send Content-Length")
-    if len(lengths) > 1:
-        raise BadRequest(400, "conflicting Content-Length headers")
-    text = lengths.pop() if lengths else "0"
-    if not text.isdigit() or not text.isascii() or len(text) > 18:
-        raise BadRequest(400, f"bad Content-Length {text[:40]!r}")
-    return method, target, headers, int(text)
 
 
 class _Heap:
@@ -301,6 +208,8 @@ class ForwardServer:
                 log.warning("%s: accept failed: %s", self.name, exc)
                 return
             sock.setblocking(False)
+            with contextlib.suppress(OSError):  # the head and the body go as they are written
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 full = self._held >= self.limits.max_connections
                 if not full:
@@ -449,56 +358,78 @@ class ForwardServer:
                 log.exception("%s: answered() failed", self.name)
 
     def _forward(self, client: socket.socket, req: Request, body: bytes) -> int | None:
+        """Send the request to the upstream with ``Connection: close`` and relay its answer
+        byte for byte until the upstream closes (its own framing, chunked SSE included,
+        goes through untouched: nothing is parsed but the status line). Returns the status,
+        or None when no complete answer reached the client."""
         lim = self.limits
         host, port = self.upstream
-        headers = {k: v for k, v in req.headers if k.lower() not in HOP_BY_HOP}
-        conn = http.client.HTTPConnection(host, port, timeout=lim.connect_timeout_s)
+        head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {host}:{port}"]
+        head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        if body or req.method in ("POST", "PUT", "PATCH"):
+            head.append(f"Content-Length: {len(body)}")
+        head.append("Connection: close")
+        message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         deadline = time.monotonic() + lim.response_deadline_s
         try:
+            upstream = socket.create_connection((host, port), timeout=lim.connect_timeout_s)
+        except OSError as exc:
+            self._count("upstream_errors", 502)
+            self._send(client, error(502, f"upstream unreachable: {exc}").encode())
+            return None
+        status: int | None = None
+        try:
+            upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            upstream.settimeout(lim.upstream_timeout_s)
             try:
-                conn.connect()
-                upstream = conn.sock  # kept: http.client drops it once the answer will close
-                assert upstream is not None
-                upstream.settimeout(lim.upstream_timeout_s)
-                conn.request(req.method, req.path, body=body if body else None,
-                             headers=headers)
-                resp = conn.getresponse()
-            except TimeoutError:
+                upstream.sendall(message + bytes(body) if len(body) < 65536 else message)
+                if len(body) >= 65536:
+                    upstream.sendall(body)
+            except OSError as exc:
+                self._count("upstream_errors", 502)
+                self._send(client, error(502, f"upstream refused the request: {exc}").encode())
+                return None
+            first = b""
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                upstream.settimeout(min(lim.upstream_timeout_s, left))
+                chunk = upstream.recv(65536)
+                if not chunk:
+                    break
+                if status is None:
+                    first += chunk
+                    if b"\r\n" not in first and len(first) < 1024:
+                        continue
+                    status = status_of(first)
+                    if status is None:
+                        self._count("upstream_errors", 502)
+                        self._send(client, error(502, "upstream answered no HTTP").encode())
+                        return None
+                    chunk, first = first, b""
+                if not self._send(client, chunk):
+                    return None
+        except TimeoutError:
+            if status is None:
                 self._count("upstream_errors", 504)
                 self._send(client, error(504, "upstream timed out").encode())
-                return None
-            except (OSError, http.client.HTTPException) as exc:
-                self._count("upstream_errors", 502)
-                self._send(client, error(502, f"upstream unreachable: {exc}").encode())
-                return None
-            head = [f"HTTP/1.1 {resp.status} {resp.reason}"]
-            head += [f"{k}: {v}" for k, v in resp.getheaders()
-                     if k.lower() not in HOP_BY_HOP or k.lower() == "content-length"]
-            head.append("Connection: close")
-            if not self._send(client, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")):
-                return None
-            try:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left > 0:
-                        upstream.settimeout(min(lim.upstream_timeout_s, left))
-                        chunk = resp.read1(65536)  # SSE streams pass through as they come
-                        if not chunk:
-                            break
-                        if not self._send(client, chunk):
-                            return None
-                        continue
-                    log.warning("%s: upstream answer past its %gs deadline: cut",
-                                self.name, lim.response_deadline_s)
-                    self._count("upstream_errors")
-                    return None
-            except (OSError, http.client.HTTPException) as exc:
-                log.info("%s: upstream answer broke off: %s", self.name, exc)
+            else:
+                log.warning("%s: upstream answer stalled or past its deadline: cut", self.name)
                 self._count("upstream_errors")
-                return None
-            return int(resp.status)
+            return None
+        except OSError as exc:
+            log.info("%s: upstream answer broke off: %s", self.name, exc)
+            self._count("upstream_errors", None if status else 502)
+            if status is None:
+                self._send(client, error(502, f"upstream failed: {exc}").encode())
+            return None
         finally:
-            conn.close()
+            upstream.close()
+        if status is None:
+            self._count("upstream_errors", 502)
+            self._send(client, error(502, "upstream closed without an answer").encode())
+        return status
 
     def _send(self, sock: socket.socket, data: bytes) -> bool:
         try:
@@ -506,8 +437,3 @@ class ForwardServer:
             return True
         except OSError:  # the client went away or stopped reading past write_timeout_s
             return False
-
-
-def header_list(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """Headers as a dict with lower-case names (the last of repeated names wins)."""
-    return {k.lower(): v for k, v in headers}

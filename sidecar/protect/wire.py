@@ -1,0 +1,129 @@
+"""What the forwarding core (:mod:`sidecar.protect.forward`) reads and writes: its limits,
+a parsed request, the answers it gives itself, and the strict parse of a request head (a
+forwarding proxy passes on only what it understood: one length, no chunked requests, no
+absolute-form targets)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailers", "transfer-encoding",
+                        "upgrade", "host", "content-length", "expect"})
+_REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
+            411: "Length Required", 413: "Content Too Large",
+            431: "Request Header Fields Too Large", 502: "Bad Gateway",
+            503: "Service Unavailable", 504: "Gateway Timeout"}
+MAX_HEADERS = 100
+
+
+@dataclass(frozen=True)
+class ForwardLimits:
+    """The bounds of one proxy (see the module docstring for why each exists)."""
+
+    max_connections: int = 256
+    workers: int = 32
+    request_deadline_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    buffer_budget_bytes: int = 64 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    upstream_timeout_s: float = 120.0
+    response_deadline_s: float = 600.0
+    write_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not (value > 0 and value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_body_bytes > self.buffer_budget_bytes:
+            raise ValueError("max_body_bytes must not exceed buffer_budget_bytes")
+
+
+@dataclass
+class Request:
+    """One complete request as the client sent it (headers in order, names as sent)."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    peer: str = ""
+    meta: dict[str, object] = field(default_factory=dict)  # what a ForwardApp notes on it
+
+    def header(self, name: str) -> str | None:
+        low = name.lower()
+        return next((v for k, v in self.headers if k.lower() == low), None)
+
+    @property
+    def route(self) -> str:
+        return self.path.split("?", 1)[0]
+
+
+@dataclass
+class Reply:
+    """An answer the proxy gives itself (an error, or a path a :class:`ForwardApp` owns)."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "text/plain; charset=utf-8"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        head = [f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'OK')}",
+                f"Content-Type: {self.content_type}", f"Content-Length: {len(self.body)}",
+                "Connection: close", *(f"{k}: {v}" for k, v in self.headers)]
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
+
+
+def error(status: int, message: str) -> Reply:
+    return Reply(status, (message + "\n").encode())
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
+    """Method, target, headers and body length of a request head; :class:`BadRequest` for
+    anything a forwarding proxy cannot pass on safely."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
+        raise BadRequest(400, "malformed request line")
+    method, target, version = parts
+    if version not in ("HTTP/1.0", "HTTP/1.1") or not target.startswith("/"):
+        raise BadRequest(400, "only origin-form HTTP/1.x requests are forwarded")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise BadRequest(431, f"more than {MAX_HEADERS} header lines")
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+            raise BadRequest(400, "malformed header line")
+        headers.append((name, value.strip()))
+    lengths = {v for k, v in headers if k.lower() == "content-length"}
+    if any(k.lower() == "transfer-encoding" for k, _ in headers):
+        raise BadRequest(411, "chunked request bodies are not forwarded: send Content-Length")
+    if len(lengths) > 1:
+        raise BadRequest(400, "conflicting Content-Length headers")
+    text = lengths.pop() if lengths else "0"
+    if not text.isdigit() or not text.isascii() or len(text) > 18:
+        raise BadRequest(400, f"bad Content-Length {text[:40]!r}")
+    return method, target, headers, int(text)
+
+
+def status_of(first: bytes) -> int | None:
+    """The status code of an HTTP/1.x status line at the start of ``first``."""
+    parts = first.split(b"\r\n", 1)[0].split(b" ", 2)
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/1.") and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def header_list(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Headers as a dict with lower-case names (the last of repeated names wins)."""
+    return {k.lower(): v for k, v in headers}
