@@ -45,7 +45,7 @@ def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
     sc = SglangSidecar(SglangSidecarConfig(
         tiny_model, dtype, BLOCK, f"ipc://{sockdir}/probe.sock", deferred=True,
         sidecar=SidecarConfig(sample_every=1, blocks_per_sample=8, adapter_timeout_s=60.0,
-                              recompute_tokens_per_s=0))).start()
+                              recompute_tokens_per_s=0, queue_size=512))).start()
     server = None
     try:
         server = start_server(tiny_model, dtype, sockdir)

@@ -20,6 +20,7 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
   ``on_release`` forgets the request;
 * allocator ``alloc``/``free`` (also reached by eviction and by the tree's duplicate frees)
   -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
+  ``clear`` (a cache flush) -> every stored block freed, the map reset;
 * every checkpoint, at most once per ``census_every_s``: the pool census.
 
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
@@ -114,7 +115,14 @@ def attach(tree: Any, tap: SglangTap) -> Any:
             tap.freed(free_index)
         return out
 
-    allocator.alloc, allocator.free = alloc_hook, free_hook
+    clear = allocator.clear
+
+    def clear_hook() -> Any:  # /flush_cache: every slot free again, the tree reset
+        out = clear()
+        tap.cleared()
+        return out
+
+    allocator.alloc, allocator.free, allocator.clear = alloc_hook, free_hook, clear_hook
     insert, checkpoint, on_release = tree.insert, tree.checkpoint, tree.on_release
 
     def insert_hook(params: Any) -> Any:

@@ -194,6 +194,18 @@ class SglangTap:
         except Exception:
             self._failed("free")
 
+    def cleared(self) -> None:
+        """The allocator was reset (a cache flush): every slot is free, no block stored."""
+        try:
+            self._allocated[:] = False
+            ids = torch.nonzero(self._is_block).reshape(-1)
+            self._is_block[:] = False
+            if ids.numel():
+                self._flush_lookups()
+                self.pipe.send_message("frees", ids=[int(i) for i in ids.tolist()])
+        except Exception:
+            self._failed("clear")
+
     # ------------------------------------------------------------------ census
     def census_due(self) -> bool:
         return time.monotonic() >= self._next_census
