@@ -7,6 +7,7 @@ removed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -35,7 +36,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+DTYPES = os.environ.get("KVSIDECAR_SGLANG_DTYPES", "float32,bfloat16").split(",")
+
+
+@pytest.fixture(scope="module", params=DTYPES)
 def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
     from sidecar.adapters.sglang.service import SglangSidecar, SglangSidecarConfig
     from sidecar.monitor import SidecarConfig

@@ -10,6 +10,7 @@ free runs last: it leaves the tree owning reused slots.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -23,8 +24,9 @@ from tests.sglang.harness import BLOCK, MAX_TOTAL_TOKENS, Workload
 
 pytestmark = pytest.mark.sglang
 
-CLEAN_ROUNDS = 38  # 5 prefixes (2..11 blocks, up to 8 checked) x 38: >= 1,000 blocks
-TRIALS = 10  # per fault and dtype
+# 5 prefixes (2..11 blocks, up to 8 checked) x 38 rounds: >= 1,000 verified blocks per dtype
+CLEAN_ROUNDS = int(os.environ.get("KVSIDECAR_SGLANG_CLEAN_ROUNDS", "38"))
+TRIALS = int(os.environ.get("KVSIDECAR_SGLANG_TRIALS", "10"))  # per fault and dtype
 
 
 def _violations(stack: Stack) -> dict[str, float]:
@@ -45,21 +47,29 @@ def test_clean_traffic_is_quiet(stack: Stack) -> None:
             srv.generate(tokens)
         if r % 4 == 3:
             verdicts += _verify(stack)
-    verdicts += _verify(stack)
+    hits = (CLEAN_ROUNDS - 1) * len(w.prefixes)  # every request after the first round
+    deadline = time.monotonic() + 120
+    while len(verdicts) < hits and time.monotonic() < deadline:
+        verdicts += _verify(stack)
+    assert len(verdicts) == hits
     verified = sum(len(v.verified) for v in verdicts)
     findings = [(f.kind.value, f.detail) for v in verdicts for f in v.findings]
     errors = [e for v in verdicts for _, e in v.errors]
     MEASUREMENTS[f"{stack.dtype} clean verified blocks"] = verified
     MEASUREMENTS[f"{stack.dtype} clean max recompute error"] = f"{max(errors):.3g}"
     assert findings == []
-    assert verified >= 1000
+    assert verified >= 1000 or CLEAN_ROUNDS < 38  # (a shorter run was asked for)
     assert all(not v.dropped and not v.adapter_errors for v in verdicts)
     assert sc.receiver.bad_messages == 0 and sc.engine_mismatches == []
     assert sc.census_checks > 0 and sc.adapter.census is not None
     assert sum(_violations(stack).values()) == 0
     # SGLang's own hit count (its counter; the gauge is per batch) matches the tap's
-    sc.quiesce()
+    deadline = time.monotonic() + 60
     audit = sc.adapter.bridge.poll()
+    while audit["cached_tokens"] != audit["counted_hit_tokens"] and \
+            time.monotonic() < deadline:  # SGLang counts a request's hits when it finishes
+        time.sleep(0.5)
+        audit = sc.adapter.bridge.poll()
     MEASUREMENTS[f"{stack.dtype} hit audit"] = audit
     assert audit["cached_tokens"] == audit["counted_hit_tokens"] > 0
 
@@ -104,9 +114,13 @@ def _trial(stack: Stack, op: str, rng: random.Random, **kw: object) -> set[str]:
     if op == "drop_extra_key":
         srv.fault("drop_extra_key", on=False)
     kinds: set[str] = set()
-    for v in _verify(stack):
-        if list(v.sample.hit.tokens[:BLOCK]) == prefix[:BLOCK]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the hit's capture crosses a socket and a thread
+        mine = [v for v in _verify(stack) if list(v.sample.hit.tokens[:BLOCK]) == prefix[:BLOCK]]
+        for v in mine:
             kinds |= {f.kind.value for f in v.findings}
+        if mine:
+            break
     return kinds
 
 

@@ -21,7 +21,9 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
 * allocator ``alloc``/``free`` (also reached by eviction and by the tree's duplicate frees)
   -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
   ``clear`` (a cache flush) -> every stored block freed, the map reset;
-* every checkpoint, at most once per ``census_every_s``: the pool census.
+* at most once per ``census_every_s``, at a match (the scheduler admitting a request:
+  between tree operations) or a checkpoint outside a free group (SGLang holds a batch's frees
+  in a group; mid-group the pool is mid-change): the pool census.
 
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 ``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
@@ -124,6 +126,11 @@ def attach(tree: Any, tap: SglangTap) -> Any:
 
     allocator.alloc, allocator.free, allocator.clear = alloc_hook, free_hook, clear_hook
     insert, checkpoint, on_release = tree.insert, tree.checkpoint, tree.on_release
+    match_prefix = tree.match_prefix
+
+    def match_hook(params: Any) -> Any:
+        _census(tree, tap)  # before scheduling a request: no free group open
+        return match_prefix(params)
 
     def insert_hook(params: Any) -> Any:
         result = insert(params)
@@ -163,6 +170,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
         return out
 
     tree.insert, tree.checkpoint, tree.on_release = insert_hook, checkpoint_hook, on_release_hook
+    tree.match_prefix = match_hook
     tree._kvs_tap = tap
     return tree
 
