@@ -22,8 +22,8 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
   -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
   ``clear`` (a cache flush) -> every stored block freed, the map reset;
 * at most once per ``census_every_s``, at a match (the scheduler admitting a request:
-  between tree operations) or a checkpoint outside a free group (SGLang holds a batch's frees
-  in a group; mid-group the pool is mid-change): the pool census.
+  between tree operations), a checkpoint or a release: the pool census (frees SGLang is
+  still holding in a free group count as free, and as no longer handed out).
 
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 ``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
@@ -181,13 +181,18 @@ def _census(tree: Any, tap: SglangTap) -> None:
         return
     try:
         allocator = tree.token_to_kv_pool_allocator
-        if getattr(allocator, "free_group", None) is not None:
-            return  # inside a free group: frees are held back, the pool is mid-change
         free = allocator.get_all_free_pages()
+        pending = getattr(allocator, "free_group", None)
+        held_back = None
+        if pending:  # inside a free group: SGLang holds these frees until the group ends
+            import torch
+
+            held_back = torch.cat(pending)
+            free = torch.cat([free, held_back])
         req_pool = tree.req_to_token_pool
         idle = req_pool.available_size() == req_pool.size
         tap.census(free, tree.all_values_flatten(), int(tree.evictable_size()),
-                   int(tree.protected_size()), idle)
+                   int(tree.protected_size()), idle, held_back)
     except Exception:
         tap._failed("census hook")
 

@@ -211,8 +211,9 @@ class SglangTap:
         return time.monotonic() >= self._next_census
 
     def census(self, free_slots: torch.Tensor, tree_slots: torch.Tensor, evictable: int,
-               protected: int, idle: bool) -> None:
-        """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic)."""
+               protected: int, idle: bool, held_back: torch.Tensor | None = None) -> None:
+        """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic).
+        ``held_back``: frees SGLang has taken but not yet applied (a free group)."""
         try:
             self._next_census = time.monotonic() + self.census_every_s
             self._flush_lookups()
@@ -222,11 +223,17 @@ class SglangTap:
                 "census", total=self.size - 1, free_len=int(free.numel()),
                 free=bitmap(free, self.size), tree_len=int(tree.numel()),
                 tree=bitmap(tree, self.size),
-                allocated=bitmap(torch.nonzero(self._allocated).reshape(-1), self.size),
+                allocated=bitmap(self._handed_out(held_back), self.size),
                 evictable=int(evictable), protected=int(protected), idle=bool(idle),
                 tap_errors=self.errors)
         except Exception:
             self._failed("census")
+
+    def _handed_out(self, held_back: torch.Tensor | None) -> torch.Tensor:
+        mask = self._allocated.clone()
+        if held_back is not None and held_back.numel():
+            mask[held_back.reshape(-1).cpu().to(torch.int64)] = False
+        return torch.nonzero(mask).reshape(-1)
 
     def close(self) -> None:
         self._flush_lookups()
