@@ -26,7 +26,7 @@ pytestmark = pytest.mark.sglang
 
 # 5 prefixes (2..11 blocks, up to 8 checked) x 38 rounds: >= 1,000 verified blocks per dtype
 CLEAN_ROUNDS = int(os.environ.get("KVSIDECAR_SGLANG_CLEAN_ROUNDS", "38"))
-TRIALS = int(os.environ.get("KVSIDECAR_SGLANG_TRIALS", "10"))  # per fault and dtype
+TRIALS = int(os.environ.get("KVSIDECAR_SGLANG_TRIALS", "5"))  # per fault, dtype: 5 of 5 = 0.9+
 
 
 def _violations(stack: Stack) -> dict[str, float]:
