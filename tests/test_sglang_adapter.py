@@ -69,10 +69,12 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
         for rid in ("a", "b"):
             tap.admitted(rid, tokens + [99], 10, path[:10], fields)
         tap.admitted("a", tokens, 10, path[:10], fields)  # second checkpoint: not a lookup
+        free = torch.cat([torch.arange(1, 30), torch.arange(42, 65)])
+        tap.census(free, path, evictable=12, protected=0, idle=True)
         tap.freed(torch.tensor([33, 34, 41]))  # 33 and 41 end blocks
-        tap.census(torch.arange(1, 30), path, evictable=12, protected=0, idle=False)
+        tap.cleared()  # a cache flush: the one block still stored (37) is freed
         tap.close()
-        _wait(lambda: len(got["census"]) == 1)
+        _wait(lambda: len(got["census"]) == 1 and len(got["frees"]) == 2)
     finally:
         rx.stop()
     stores = [item for m in got["stores"] for item in m["items"]]
@@ -88,7 +90,12 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
     for (g, i), (k, v) in cap.kv.items():
         want = torch.stack([b[path[i * BS:(i + 1) * BS]] for b in pool.k_buffer]).transpose(1, 2)
         assert g == 0 and torch.equal(k, want) and v.shape == k.shape == (2, 2, BS, 8)
-    assert [m["ids"] for m in got["frees"]] == [[33, 41]]
+    assert [m["ids"] for m in got["frees"]] == [[33, 41], [37]]
+    census = __import__("sidecar.adapters.sglang.census", fromlist=["x"]).decode_census(
+        got["census"][0])
+    assert census.total == 64 and int(census.free.sum()) == 52 and census.evictable == 12
+    assert check_census(census) == []  # 30..41 handed out and in the tree, the rest free
+
 
 
 def _census(free: list[int], tree: list[int], allocated: list[int], total: int = 16,

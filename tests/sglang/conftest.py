@@ -7,6 +7,7 @@ removed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -35,7 +36,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+DTYPES = os.environ.get("KVSIDECAR_SGLANG_DTYPES", "float32,bfloat16").split(",")
+
+
+@pytest.fixture(scope="module", params=DTYPES)
 def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
     from sidecar.adapters.sglang.service import SglangSidecar, SglangSidecarConfig
     from sidecar.monitor import SidecarConfig
@@ -45,7 +49,7 @@ def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
     sc = SglangSidecar(SglangSidecarConfig(
         tiny_model, dtype, BLOCK, f"ipc://{sockdir}/probe.sock", deferred=True,
         sidecar=SidecarConfig(sample_every=1, blocks_per_sample=8, adapter_timeout_s=60.0,
-                              recompute_tokens_per_s=0))).start()
+                              recompute_tokens_per_s=0, queue_size=512))).start()
     server = None
     try:
         server = start_server(tiny_model, dtype, sockdir)

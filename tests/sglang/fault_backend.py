@@ -8,8 +8,11 @@ SGLang's real structures:
 
 * ``zero``: zero the K/V of the tree's slots for a prefix (every layer);
 * ``free``: hand the tree's slots for a prefix back through the allocator's ``free`` while
-  the tree still holds them, moved to the front of the free list so the next request reuses
-  them (a premature free);
+  the tree still holds them (a premature free; SGLang's own metrics path then asserts on a
+  negative usage at the next prefill report and the scheduler exits);
+* ``reuse``: the same free, then the slots handed out again at once (``alloc``) to an owner
+  that writes another cached prefix's K/V into them (a slot freed while in the tree and
+  reused; SGLang's counts stay consistent, so it keeps serving);
 * ``stale``: copy the K/V of another cached prefix's slots over this prefix's (stale reuse);
 * ``drop_extra_key``: match and insert without the request's ``extra_key`` (the namespace
   dropped from the key), until turned off.
@@ -82,14 +85,19 @@ class Faults:
             slots = slots[:len(src)]
             for buf in (*pool.k_buffer, *pool.v_buffer):
                 buf[slots] = buf[src]
-        elif op == "free":
-            slots = slots[int(cmd.get("start", 0)):]
+        elif op in ("free", "reuse"):
             alloc = tree.token_to_kv_pool_allocator
             alloc.free(slots)  # through SGLang's own free (the tap sees it)
             rest = torch.cat([alloc.free_pages, alloc.release_pages])
             rest = rest[~torch.isin(rest, slots)]
             alloc.free_pages = torch.cat([slots, rest])
             alloc.release_pages = alloc.release_pages[:0]
+            if op == "reuse":  # handed out again at once, and written by its new owner
+                taken = alloc.alloc(len(slots))
+                src = self._slots(tree, cmd["source"])[:len(taken)]
+                for buf in (*pool.k_buffer, *pool.v_buffer):
+                    buf[taken[:len(src)]] = buf[src]
+                slots = taken
         else:
             raise ValueError(f"unknown fault {op!r}")
         return {"ok": True, "slots": [int(s) for s in slots.tolist()]}

@@ -10,7 +10,9 @@ free runs last: it leaves the tree owning reused slots.
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 
@@ -22,8 +24,9 @@ from tests.sglang.harness import BLOCK, MAX_TOTAL_TOKENS, Workload
 
 pytestmark = pytest.mark.sglang
 
-CLEAN_ROUNDS = 40  # 4 prefixes x 40 rounds: ~1,000 verified blocks per dtype
-TRIALS = 10  # per fault and dtype
+# 5 prefixes (2..11 blocks, up to 8 checked) x 38 rounds: >= 1,000 verified blocks per dtype
+CLEAN_ROUNDS = int(os.environ.get("KVSIDECAR_SGLANG_CLEAN_ROUNDS", "38"))
+TRIALS = int(os.environ.get("KVSIDECAR_SGLANG_TRIALS", "5"))  # per fault, dtype: 5 of 5 = 0.9+
 
 
 def _violations(stack: Stack) -> dict[str, float]:
@@ -37,25 +40,36 @@ def _verify(stack: Stack) -> list:
 
 def test_clean_traffic_is_quiet(stack: Stack) -> None:
     srv, sc = stack.server, stack.sidecar
-    w = Workload(seed=1)
-    for _ in range(CLEAN_ROUNDS):
+    w = Workload(seed=1, lengths=(40, 70, 100, 130, 180))
+    verdicts = []
+    for r in range(CLEAN_ROUNDS):
         for tokens in w.round():
             srv.generate(tokens)
-    verdicts = _verify(stack)
+        if r % 4 == 3:
+            verdicts += _verify(stack)
+    hits = (CLEAN_ROUNDS - 1) * len(w.prefixes)  # every request after the first round
+    deadline = time.monotonic() + 120
+    while len(verdicts) < hits and time.monotonic() < deadline:
+        verdicts += _verify(stack)
+    assert len(verdicts) == hits
     verified = sum(len(v.verified) for v in verdicts)
     findings = [(f.kind.value, f.detail) for v in verdicts for f in v.findings]
     errors = [e for v in verdicts for _, e in v.errors]
     MEASUREMENTS[f"{stack.dtype} clean verified blocks"] = verified
     MEASUREMENTS[f"{stack.dtype} clean max recompute error"] = f"{max(errors):.3g}"
     assert findings == []
-    assert verified >= 1000
+    assert verified >= 1000 or CLEAN_ROUNDS < 38  # (a shorter run was asked for)
     assert all(not v.dropped and not v.adapter_errors for v in verdicts)
     assert sc.receiver.bad_messages == 0 and sc.engine_mismatches == []
     assert sc.census_checks > 0 and sc.adapter.census is not None
     assert sum(_violations(stack).values()) == 0
     # SGLang's own hit count (its counter; the gauge is per batch) matches the tap's
-    sc.quiesce()
+    deadline = time.monotonic() + 60
     audit = sc.adapter.bridge.poll()
+    while audit["cached_tokens"] != audit["counted_hit_tokens"] and \
+            time.monotonic() < deadline:  # SGLang counts a request's hits when it finishes
+        time.sleep(0.5)
+        audit = sc.adapter.bridge.poll()
     MEASUREMENTS[f"{stack.dtype} hit audit"] = audit
     assert audit["cached_tokens"] == audit["counted_hit_tokens"] > 0
 
@@ -63,7 +77,7 @@ def test_clean_traffic_is_quiet(stack: Stack) -> None:
 def test_invariants_clean_under_eviction(stack: Stack) -> None:
     srv, sc = stack.server, stack.sidecar
     rng = random.Random(7)
-    before = sc.census_checks
+    before, freed = sc.census_checks, sc.freed_blocks
     sent = 0
     while sent < 2 * MAX_TOTAL_TOKENS:  # twice the pool: the tree must evict
         n = rng.randrange(120, 260)
@@ -74,6 +88,7 @@ def test_invariants_clean_under_eviction(stack: Stack) -> None:
     verdicts = _verify(stack)
     assert [f.kind for v in verdicts for f in v.findings] == []
     assert sc.census_checks > before
+    assert sc.freed_blocks > freed  # the tree evicted stored blocks
     census = sc.adapter.census
     assert census is not None and census.total == MAX_TOTAL_TOKENS
     MEASUREMENTS[f"{stack.dtype} census checks"] = sc.census_checks
@@ -87,13 +102,10 @@ def _trial(stack: Stack, op: str, rng: random.Random, **kw: object) -> set[str]:
     extra = kw.pop("extra_key", None)
     srv.generate(prefix + [rng.randrange(3, 500) for _ in range(5)])
     _verify(stack)  # the store's own sample (a miss: none) is out of the way
-    if op == "stale":
+    if op in ("stale", "reuse"):
         source = [rng.randrange(3, 500) for _ in range(5 * BLOCK)]
         srv.generate(source + [7])
-        srv.fault("stale", tokens=prefix, source=source)
-    elif op == "free":
-        srv.fault("free", tokens=prefix)
-        srv.generate([rng.randrange(3, 500) for _ in range(5 * BLOCK + 8)])  # reuses them
+        srv.fault(op, tokens=prefix, source=source)
     elif op == "drop_extra_key":
         srv.fault("drop_extra_key", on=True)
     else:
@@ -102,9 +114,13 @@ def _trial(stack: Stack, op: str, rng: random.Random, **kw: object) -> set[str]:
     if op == "drop_extra_key":
         srv.fault("drop_extra_key", on=False)
     kinds: set[str] = set()
-    for v in _verify(stack):
-        if list(v.sample.hit.tokens[:BLOCK]) == prefix[:BLOCK]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the hit's capture crosses a socket and a thread
+        mine = [v for v in _verify(stack) if list(v.sample.hit.tokens[:BLOCK]) == prefix[:BLOCK]]
+        for v in mine:
             kinds |= {f.kind.value for f in v.findings}
+        if mine:
+            break
     return kinds
 
 
@@ -112,7 +128,7 @@ def _trial(stack: Stack, op: str, rng: random.Random, **kw: object) -> set[str]:
     ("zero", {A.ZEROS}, {}),
     ("stale", {A.RECOMPUTE_MISMATCH}, {}),
     ("drop_extra_key", {A.KEY_FIELDS_MISMATCH}, {"extra_key": "tenant-b"}),
-    ("free", {A.RECOMPUTE_MISMATCH, A.TOKEN_MISMATCH}, {}),
+    ("reuse", {A.RECOMPUTE_MISMATCH}, {}),
 ])
 def test_fault_caught_and_named(stack: Stack, op: str, expected: set[str],
                                 extra: dict[str, str]) -> None:
@@ -126,6 +142,23 @@ def test_fault_caught_and_named(stack: Stack, op: str, expected: set[str],
     recall = caught / TRIALS
     MEASUREMENTS[f"{stack.dtype} {op} recall"] = f"{recall:.2f} {seen[:3]}"
     assert recall >= 0.9, seen
-    if op == "free":  # the census saw a slot both free and in the tree, or owned twice
-        v = _violations(stack)
-        assert v[K.FREE_WHILE_INDEXED.value] + v[K.BLOCK_COUNT_MISMATCH.value] > 0, v
+
+
+def test_premature_free_seen_by_the_census(stack: Stack) -> None:
+    """Last on each server: SGLang itself exits on the negative usage this leaves."""
+    srv, sc = stack.server, stack.sidecar
+    prefix = [random.Random(11).randrange(3, 500) for _ in range(5 * BLOCK)]
+    srv.generate(prefix + [9])
+    assert _violations(stack)[K.FREE_WHILE_INDEXED.value] == 0
+    freed = srv.fault("free", tokens=prefix)["slots"]
+    deadline = time.monotonic() + 120
+    while _violations(stack)[K.FREE_WHILE_INDEXED.value] == 0 and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    v = _violations(stack)
+    MEASUREMENTS[f"{stack.dtype} premature free violations"] = v
+    assert v[K.FREE_WHILE_INDEXED.value] >= 1, v
+    named = {v["block_id"] for e in sc.monitor.evidence.recent(100)
+             if e.get("type") == "invariant_violation" for v in e["violations"]
+             if v["kind"] == K.FREE_WHILE_INDEXED.value}
+    assert named and named <= set(freed)  # the evidence names the freed slots

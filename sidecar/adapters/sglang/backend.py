@@ -20,7 +20,10 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
   ``on_release`` forgets the request;
 * allocator ``alloc``/``free`` (also reached by eviction and by the tree's duplicate frees)
   -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
-* every checkpoint, at most once per ``census_every_s``: the pool census.
+  ``clear`` (a cache flush) -> every stored block freed, the map reset;
+* at most once per ``census_every_s``, at a match (the scheduler admitting a request:
+  between tree operations), a checkpoint or a release: the pool census (frees SGLang is
+  still holding in a free group count as free, and as no longer handed out).
 
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 ``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
@@ -114,8 +117,20 @@ def attach(tree: Any, tap: SglangTap) -> Any:
             tap.freed(free_index)
         return out
 
-    allocator.alloc, allocator.free = alloc_hook, free_hook
+    clear = allocator.clear
+
+    def clear_hook() -> Any:  # /flush_cache: every slot free again, the tree reset
+        out = clear()
+        tap.cleared()
+        return out
+
+    allocator.alloc, allocator.free, allocator.clear = alloc_hook, free_hook, clear_hook
     insert, checkpoint, on_release = tree.insert, tree.checkpoint, tree.on_release
+    match_prefix = tree.match_prefix
+
+    def match_hook(params: Any) -> Any:
+        _census(tree, tap)  # before scheduling a request: no free group open
+        return match_prefix(params)
 
     def insert_hook(params: Any) -> Any:
         result = insert(params)
@@ -155,6 +170,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
         return out
 
     tree.insert, tree.checkpoint, tree.on_release = insert_hook, checkpoint_hook, on_release_hook
+    tree.match_prefix = match_hook
     tree._kvs_tap = tap
     return tree
 
@@ -165,13 +181,18 @@ def _census(tree: Any, tap: SglangTap) -> None:
         return
     try:
         allocator = tree.token_to_kv_pool_allocator
-        if getattr(allocator, "free_group", None) is not None:
-            return  # inside a free group: frees are held back, the pool is mid-change
         free = allocator.get_all_free_pages()
+        pending = getattr(allocator, "free_group", None)
+        held_back = None
+        if pending:  # inside a free group: SGLang holds these frees until the group ends
+            import torch
+
+            held_back = torch.cat(pending)
+            free = torch.cat([free, held_back])
         req_pool = tree.req_to_token_pool
         idle = req_pool.available_size() == req_pool.size
         tap.census(free, tree.all_values_flatten(), int(tree.evictable_size()),
-                   int(tree.protected_size()), idle)
+                   int(tree.protected_size()), idle, held_back)
     except Exception:
         tap._failed("census hook")
 

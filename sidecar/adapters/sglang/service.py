@@ -127,6 +127,7 @@ class SglangSidecar:
         self.counted_hit_tokens = 0
         self.tap_errors = 0
         self.census_checks = 0
+        self.freed_blocks = 0  # stored blocks the tap saw freed (evicted)
         self.engine_mismatches: list[str] = []
         if cfg.metrics_url:
             self.adapter.bridge = SglangMetricsBridge(
@@ -183,6 +184,7 @@ class SglangSidecar:
         ids = msg.get("ids")
         if not isinstance(ids, list):
             raise WireError("frees is not a list")
+        self.freed_blocks += len(ids)
         self.monitor.on_free(0, ids)
 
     def _on_alloc_failed(self, msg: dict[str, Any]) -> None:
@@ -230,6 +232,7 @@ class SglangSidecar:
         out["bad_probe_messages"] = self.receiver.bad_messages
         out["engine_mismatches"] = self.engine_mismatches
         out["census_checks"] = self.census_checks
+        out["freed_blocks"] = self.freed_blocks
         out["counted_hit_tokens"] = self.counted_hit_tokens
         if self.adapter.bridge is not None:
             out["sglang_metrics"] = self.adapter.bridge.last

@@ -194,13 +194,26 @@ class SglangTap:
         except Exception:
             self._failed("free")
 
+    def cleared(self) -> None:
+        """The allocator was reset (a cache flush): every slot is free, no block stored."""
+        try:
+            self._allocated[:] = False
+            ids = torch.nonzero(self._is_block).reshape(-1)
+            self._is_block[:] = False
+            if ids.numel():
+                self._flush_lookups()
+                self.pipe.send_message("frees", ids=[int(i) for i in ids.tolist()])
+        except Exception:
+            self._failed("clear")
+
     # ------------------------------------------------------------------ census
     def census_due(self) -> bool:
         return time.monotonic() >= self._next_census
 
     def census(self, free_slots: torch.Tensor, tree_slots: torch.Tensor, evictable: int,
-               protected: int, idle: bool) -> None:
-        """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic)."""
+               protected: int, idle: bool, held_back: torch.Tensor | None = None) -> None:
+        """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic).
+        ``held_back``: frees SGLang has taken but not yet applied (a free group)."""
         try:
             self._next_census = time.monotonic() + self.census_every_s
             self._flush_lookups()
@@ -210,11 +223,17 @@ class SglangTap:
                 "census", total=self.size - 1, free_len=int(free.numel()),
                 free=bitmap(free, self.size), tree_len=int(tree.numel()),
                 tree=bitmap(tree, self.size),
-                allocated=bitmap(torch.nonzero(self._allocated).reshape(-1), self.size),
+                allocated=bitmap(self._handed_out(held_back), self.size),
                 evictable=int(evictable), protected=int(protected), idle=bool(idle),
                 tap_errors=self.errors)
         except Exception:
             self._failed("census")
+
+    def _handed_out(self, held_back: torch.Tensor | None) -> torch.Tensor:
+        mask = self._allocated.clone()
+        if held_back is not None and held_back.numel():
+            mask[held_back.reshape(-1).cpu().to(torch.int64)] = False
+        return torch.nonzero(mask).reshape(-1)
 
     def close(self) -> None:
         self._flush_lookups()
