@@ -14,7 +14,7 @@ window-mismatch -> window_mismatch; null-block-read -> null_block_read;
 stale-recurrent-state -> stale_recurrent_state; missing-group-state, evicted-between-match-
 and-read, group-layout-mismatch -> recompute_mismatch on group 1 (the served block holds some
 other content; the evicted one sometimes stale_recurrent_state, its donor being an earlier
-boundary's state). Importing the
+boundary's state); recurrent-double-apply -> recompute_mismatch on group 1. Importing the
 package (``sidecar.engines.reference``) imports this module, which adds these faults to
 :data:`~sidecar.engines.reference.faults.FAULTS`.
 """
