@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_guard_parser(sub)  # the cache-bypass guard (sidecar/protect/)
     add_config_arguments(sub.choices["guard"])
+    from sidecar.calibrate_cli import add_parser as add_calibrate_parser
+
+    add_calibrate_parser(sub)  # a calibration profile from a trusted engine
     return p
 
 
@@ -213,7 +216,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if opts.device != "cpu" and args.model != "reference":
         raise UsageError(f"--model {args.model} runs on the CPU only; --device "
                          f"{args.device} needs --model reference")
-    summary = run_demo(opts)
+    from sidecar.calibration_profile import ProfileError
+
+    try:
+        summary = run_demo(opts)
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -298,6 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             configure("guard", "guard", parser, argv, args)
             return run_guard(args)
+        if args.command == "calibrate":
+            require("demo")
+            from sidecar.calibrate_cli import run_calibrate
+
+            return run_calibrate(args)
         if args.command == "actions-demo":
             require("demo")
             from sidecar.actions_demo import run as run_actions_demo

@@ -14,6 +14,7 @@ from typing import Any
 
 from sidecar.calibration import calibration_config
 from sidecar.dispatch import MODES, Mode
+from sidecar.tolerance import DEFAULT_CALIBRATION_SAMPLES
 
 
 @dataclass
@@ -49,9 +50,13 @@ class SidecarConfig:
     # Recompute tolerance (sidecar/calibration.py): overrides "[REFERENCE:]DTYPE" -> value;
     # learn the noise floor from this many clean blocks (0: the fixed table), then use
     # calibration_multiple x floor (capped by the hard tolerance, floored at a few ulps).
+    # On by default (64 blocks): the hard tolerance caps it, so it can only tighten. A
+    # profile (kv-sidecar calibrate, sidecar/calibration_profile.py) is the floor a trusted
+    # engine measured: loaded at start, learning can tighten it, never loosen it.
     tolerances: dict[str, float] = dataclasses.field(default_factory=dict)
-    calibration_samples: int = 0
+    calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     calibration_multiple: float = 4.0
+    calibration_profile: str | None = None
     # Background scrub (sidecar/scrub.py; engineer scrub): off by default. A tick every
     # scrub_every_s (+ up to scrub_jitter_s, randomised per replica) re-verifies up to
     # scrub_blocks_per_tick resident blocks not hit for scrub_idle_s, within
@@ -80,6 +85,13 @@ class SidecarConfig:
     # no cap.
     max_concurrent_recomputes: int = 2
     max_concurrent_recoveries: int = 4
+    # Start burst (sidecar/burst.py): the first burst_hits hits after start (and after an
+    # engine restart or upgrade) are sampled 1 in burst_every (never less often than
+    # sample_every); 0 hits: no burst. detection_fault_fraction: the f of the expected
+    # time to first detection (sidecar/outlook.py).
+    burst_hits: int = 1000
+    burst_every: int = 10
+    detection_fault_fraction: float = 0.01
 
     def validate(self) -> None:
         """Every field against :data:`LIMITS` (the one table the config file, the
@@ -210,5 +222,8 @@ LIMITS: dict[str, Limit] = {
     "canary.port": PORT,
     "canary.replay_port": PORT,
     "canary.replay_every": Limit(low=1, high=10**9),
+    "burst_hits": Limit(low=0, high=10**9),
+    "burst_every": Limit(low=1, high=10**9),
+    "detection_fault_fraction": Limit(low=0, low_open=True, high=1),
 }
 FLAG_DEFAULT = Limit(low=-1e15, high=1e15)  # a numeric flag key the table does not name

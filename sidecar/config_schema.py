@@ -55,7 +55,8 @@ class Command:
 
 
 _TOLERANCE_FLAGS = {"tolerance": "tolerances", "calibrate": "calibration_samples",
-                    "calibration_multiple": "calibration_multiple"}
+                    "calibration_multiple": "calibration_multiple",
+                    "calibration_profile": "calibration_profile"}
 COMMANDS: dict[str, Command] = {
     "demo": Command("demo", _main_parser, ("demo",),
                     {"sample_every": "sample_every", "evidence_dir": "evidence_dir",

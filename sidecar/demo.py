@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sidecar.adapters.reference import ReferenceAdapter
@@ -20,6 +21,10 @@ from sidecar.health import monitor_health
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.server import SidecarServer
 from sidecar.signals import THRESHOLDS
+
+# The reference engines' calibration profile, written by `kv-sidecar calibrate` (README,
+# Tolerances); `tests/test_calibration_profile.py` checks it is current.
+SHIPPED_PROFILE = Path(__file__).resolve().parent / "engines" / "reference" / "calibration.json"
 
 
 @dataclass
@@ -73,13 +78,20 @@ class Progress:
 
 def sidecar_config(opts: DemoOptions) -> SidecarConfig:
     """The demo's sidecar settings, for every model; a config file, the environment and
-    flags (``opts.sidecar``) override them."""
+    flags (``opts.sidecar``) override them. Unless told otherwise the tolerance starts from
+    the reference engines' shipped calibration profile (:data:`SHIPPED_PROFILE`, measured
+    by ``kv-sidecar calibrate`` on the clean engines): the demo's fault starts at request
+    ~20, before 64 clean blocks could be learnt, and learning from the faulty engine would
+    teach the fault's error as noise. ``calibration_profile=""``: no profile."""
+    fields = dict(opts.sidecar)
+    profile = fields.pop("calibration_profile", None)
     return SidecarConfig(**{**dict(
         sample_every=opts.sample_every, seed=opts.seed, evidence_dir=opts.evidence_dir,
         recompute_tokens_per_s=0,
         # check the allocator after every release: the demo reports the request at which
         # each fault was caught
-        allocator_check_min_interval_s=0.0, allocator_every_s=0.5), **opts.sidecar})
+        allocator_check_min_interval_s=0.0, allocator_every_s=0.5), **fields,
+        "calibration_profile": str(SHIPPED_PROFILE) if profile is None else profile or None})
 
 
 def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:

@@ -36,6 +36,7 @@ from sidecar.evidence import EvidenceLog
 from sidecar.guard import Guard
 from sidecar.journal import CacheEventJournal
 from sidecar.metrics import Metrics
+from sidecar.outlook import DetectionOutlook
 from sidecar.poller import AllocatorPoller
 from sidecar.protocol import (
     Adapter,
@@ -51,7 +52,7 @@ from sidecar.protocol import (
 )
 from sidecar.recovery import GroupSignals
 from sidecar.report import VerdictReporter
-from sidecar.sampling import Sampler, UniformSampler
+from sidecar.sampling import Burst, Sampler, UniformSampler
 from sidecar.scrub import Scrubber, ScrubSettings
 from sidecar.signals import DropReason, Signal
 from sidecar.store_index import StoreIndex
@@ -82,7 +83,8 @@ class Monitor:
         # describe() is the one call allowed to fail loudly: without it nothing can be checked.
         self.info = info or self.guard.call("describe", adapter.describe)
         self.metrics = Metrics(self.info.engine, self.info.model, registry, extra_signals)
-        self.sampler: Sampler = sampler or UniformSampler(c.sample_every, c.seed)
+        self.sampler: Sampler = sampler or UniformSampler(
+            c.sample_every, c.seed, burst=Burst(c.burst_hits, c.burst_every))
         # Policies that learn from cache events (boundary-biased) get them forwarded.
         self._sampler_store = getattr(self.sampler, "observe_store", None)
         self._sampler_free = getattr(self.sampler, "observe_free", None)
@@ -92,7 +94,8 @@ class Monitor:
                                  TokenBucket(c.recompute_tokens_per_s),
                                  recompute=c.recompute, epoch_of=self._epoch_now,
                                  calibration=Calibration(self.info.dtype, self.info.kv_storage,
-                                                         calibration_config(c)),
+                                                         calibration_config(c),
+                                                         model=self.info.model),
                                  max_recomputes=c.max_concurrent_recomputes,
                                  max_recoveries=c.max_concurrent_recoveries)
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
@@ -153,6 +156,10 @@ class Monitor:
             if breaker is not None:
                 scrubber.probe_mode = lambda: breaker.open
         self.verdict_listeners.extend(self.actions.listeners())
+        # Verified share, expected time to detection, start bursts (sidecar/outlook.py).
+        self.outlook = DetectionOutlook(m, self.stored, self.sampler,
+                                        lambda: self._c_hits.value, c.detection_fault_fraction)
+        self.verdict_listeners.append(self.outlook.on_verdict)
 
     def _init_series(self) -> None:
         """Create every labelled series at 0, so rate() and dashboards see a clean zero
@@ -493,8 +500,9 @@ class Monitor:
 
     def summary(self) -> dict[str, Any]:
         """The demo's JSON summary and ``/status`` (see :func:`sidecar.summary.summarize`)."""
-        return summarize(self.metrics, self.info, self.allocator_health,
-                         requests=self.requests_done, p99_latency=self.p99_latency(),
-                         max_recompute_error=self.max_recompute_error,
-                         tolerance=self.verifier.tolerance,
-                         first_anomaly_request=self.first_anomaly_request)
+        return {**summarize(self.metrics, self.info, self.allocator_health,
+                            requests=self.requests_done, p99_latency=self.p99_latency(),
+                            max_recompute_error=self.max_recompute_error,
+                            tolerance=self.verifier.tolerance,
+                            first_anomaly_request=self.first_anomaly_request),
+                **self.outlook.summary()}

@@ -3,7 +3,11 @@
 A sampler decides on the engine's hot path, so ``should_sample`` is O(1) and allocation-free.
 Block choice runs only for sampled hits: it always includes the last full block of the hit
 (boundary bugs live there: seed 001 §3.3) and fills the rest of the per-sample block budget
-with earlier blocks picked by a seeded RNG, so runs are reproducible.
+with earlier blocks. Those are **coverage-driven** (:class:`BlockCursors`): consecutive
+samples of the same prefix rotate through the earlier blocks not yet checked, from a seeded
+random start, so a bad middle block of a ``B``-block prefix is checked within ``B - 1``
+samples of that prefix (a random pick left one of 8 blocks unchecked ~29% of the time after
+8 samples). The cursors live in a bounded LRU keyed by the prefix's last block.
 
 Three policies, all with the same long-run budget of one hit in ``every``:
 
@@ -18,6 +22,13 @@ The two weighted policies spend the same credit as the uniform one (one sample p
 ``every`` hits) but let a favoured hit take its sample early, so favouring some hits takes
 samples from the others instead of adding to the budget (:class:`WeightedSampler`).
 ``kv-sidecar bench detection`` compares them at equal budget.
+
+**Start burst** (:class:`Burst`): for the first ``burst_hits`` hits after start, and again
+after :meth:`~Burst.rearm` (an engine restart, a probe reporting a new version, layout or
+kernel), every policy samples 1 in ``burst_every`` instead of 1 in N, then decays to its
+normal rate. A broken upgrade breaks every hit at once; a burst catches it in the first
+hundred hits instead of the first thousands. The burst is accounted on the sampled branch
+only, so the unsampled fast path costs what it did.
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ import random
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from sidecar.burst import Burst
 from sidecar.coverage import is_null, required_blocks
+from sidecar.coverage_cursor import BlockCursors
 from sidecar.protocol import BlockRef, CacheGroup, Hit, SequenceId, StoredBlock
 
 
@@ -43,16 +56,39 @@ class Sampler(Protocol):
     def feedback(self, hit: Hit, anomalous: bool) -> None: ...
 
 
-class UniformSampler:
-    """Exactly one hit in every ``every``, from a seeded random phase."""
+__all__ = ["AdaptiveSampler", "BlockCursors", "BoundaryBiasedSampler", "Burst", "Rearmable",
+           "Sampler", "UniformSampler", "WeightedSampler", "choose_blocks", "length_class"]
 
-    def __init__(self, every: int, seed: int = 0, last_block: bool = True) -> None:
+
+@runtime_checkable
+class Rearmable(Protocol):
+    """A sampler with a :class:`Burst` (every policy here): ``rearm`` starts a burst,
+    ``current_every`` is the rate in force (the expected-detection gauge reads it)."""
+
+    burst: Burst
+
+    def rearm(self, reason: str) -> None: ...
+
+    @property
+    def current_every(self) -> int: ...
+
+
+class UniformSampler:
+    """Exactly one hit in every ``every``, from a seeded random phase (1 in
+    ``burst.every`` during a :class:`Burst`)."""
+
+    def __init__(self, every: int, seed: int = 0, last_block: bool = True,
+                 burst: Burst | None = None) -> None:
         if every < 1:
             raise ValueError(f"sample-every must be >= 1, got {every}")
         self.every = every
+        self.burst = burst or Burst()
         self.last_block = last_block  # False: blocks uniformly at random (a baseline only)
         self._rng = random.Random(seed)
+        self.cursors = BlockCursors(self._rng)
         self._countdown = self._rng.randrange(every) + 1
+        if self.burst.left > 0:
+            self._countdown = self._rng.randrange(self.burst.current_every(every)) + 1
         self._lock = threading.Lock()
 
     def should_sample(self, hit: Hit) -> bool:
@@ -61,12 +97,23 @@ class UniformSampler:
         self._countdown -= 1
         if self._countdown > 0:
             return False
-        self._countdown = self.every
+        self._countdown = self.burst.step(self.every)
         return True
+
+    def rearm(self, reason: str) -> None:
+        """Start a burst now (the next hit is sampled)."""
+        self.burst.rearm(reason)
+        if self.burst.left > 0:
+            self._countdown = 1
+
+    @property
+    def current_every(self) -> int:
+        return self.burst.current_every(self.every)
 
     def choose(self, hit: Hit, block_size: int, max_blocks: int,
                groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
-        return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block, groups)
+        return choose_blocks(hit, block_size, max_blocks, self._rng, self.last_block, groups,
+                             self.cursors if self.last_block else None)
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
@@ -83,20 +130,39 @@ class WeightedSampler:
     are at most ``n / every + 2`` samples. Deterministic under a seed.
     """
 
-    def __init__(self, every: int, seed: int = 0) -> None:
+    def __init__(self, every: int, seed: int = 0, burst: Burst | None = None) -> None:
         if every < 1:
             raise ValueError(f"sample-every must be >= 1, got {every}")
         self.every = every
+        self.burst = burst or Burst()
+        self._burst_countdown = 1
         self._rng = random.Random(seed)
         self._credit = self._rng.random() * every  # random phase, as UniformSampler
         self._lock = threading.Lock()
+        self.cursors = BlockCursors(self._rng)
 
     def weight(self, hit: Hit) -> float:
         """How much sooner than an ordinary hit this one may be checked (>= 1)."""
         return 1.0
 
+    def rearm(self, reason: str) -> None:
+        with self._lock:
+            self.burst.rearm(reason)
+            self._burst_countdown = 1
+
+    @property
+    def current_every(self) -> int:
+        return self.burst.current_every(self.every)
+
     def should_sample(self, hit: Hit) -> bool:
         with self._lock:  # weight() may update policy state; feedback() takes the lock too
+            if self.burst.left > 0:  # a burst samples evenly; the credit waits for it
+                self.weight(hit)
+                self._burst_countdown -= 1
+                if self._burst_countdown > 0:
+                    return False
+                self._burst_countdown = self.burst.step(self.every)
+                return True
             w = max(self.weight(hit), 1.0)
             self._credit = min(self._credit + 1.0, float(self.every))
             if self._credit < self.every / w:
@@ -106,7 +172,8 @@ class WeightedSampler:
 
     def choose(self, hit: Hit, block_size: int, max_blocks: int,
                groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
-        return choose_blocks(hit, block_size, max_blocks, self._rng, groups=groups)
+        return choose_blocks(hit, block_size, max_blocks, self._rng, groups=groups,
+                             cursors=self.cursors)
 
     def feedback(self, hit: Hit, anomalous: bool) -> None:
         return None
@@ -128,8 +195,8 @@ class BoundaryBiasedSampler(WeightedSampler):
     """
 
     def __init__(self, every: int, block_size: int, seed: int = 0, boost: float = 8.0,
-                 memory: int = 65_536) -> None:
-        super().__init__(every, seed)
+                 memory: int = 65_536, burst: Burst | None = None) -> None:
+        super().__init__(every, seed, burst)
         if block_size < 1 or boost < 1 or memory < 1:
             raise ValueError("block_size, boost and memory must be >= 1")
         self.block_size = block_size
@@ -193,8 +260,8 @@ class AdaptiveSampler(WeightedSampler):
     ``boost`` times an ordinary hit for the next ``window`` hits of that class."""
 
     def __init__(self, every: int, seed: int = 0, boost: float = 8.0,
-                 window: int | None = None) -> None:
-        super().__init__(every, seed)
+                 window: int | None = None, burst: Burst | None = None) -> None:
+        super().__init__(every, seed, burst)
         if boost < 1:
             raise ValueError(f"boost must be >= 1, got {boost}")
         self.boost = boost
@@ -220,9 +287,11 @@ class AdaptiveSampler(WeightedSampler):
 
 def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
                   rng: random.Random, last_block: bool = True,
-                  groups: Sequence[CacheGroup] = ()) -> list[BlockRef]:
+                  groups: Sequence[CacheGroup] = (),
+                  cursors: BlockCursors | None = None) -> list[BlockRef]:
     """Per cache group: the last block the group must hold, plus up to ``max_blocks - 1``
-    earlier ones chosen at random, all among the positions the group must cover
+    earlier ones (rotating through the prefix with ``cursors``, else at random), all among
+    the positions the group must cover
     (:func:`sidecar.coverage.required_blocks`: a sliding-window group's window, a recurrent
     group's last boundary) and never one of its null (padding) blocks, which hold no KV.
     A null block or a gap where a group must hold state is not chosen but found by the
@@ -244,20 +313,25 @@ def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
         span = range(span.start, min(span.stop, len(block_ids)))
         if not span:
             continue
-        for i in sorted(_pick(span, max_blocks, rng, last_block)):
+        key = (group_id, int(block_ids[span[-1]]), span.start, span.stop)
+        for i in sorted(_pick(span, max_blocks, rng, last_block, cursors, key)):
             b = int(block_ids[i])
             if group is None or not is_null(group, b):
                 refs.append(BlockRef(group_id=group_id, index=i, block_id=b))
     return refs
 
 
-def _pick(span: range, max_blocks: int, rng: random.Random, last_block: bool) -> set[int]:
-    """Indices of ``span`` to check: its last one plus random earlier ones (or all at
-    random). Sampling a range is O(picked), whatever the hit's length."""
+def _pick(span: range, max_blocks: int, rng: random.Random, last_block: bool,
+          cursors: BlockCursors | None = None,
+          key: tuple[int, int, int, int] = (0, 0, 0, 0)) -> set[int]:
+    """Indices of ``span`` to check: its last one plus earlier ones, rotating through them
+    with ``cursors`` or at random without (or all at random: ``last_block=False``).
+    O(picked), whatever the hit's length."""
     if last_block:
         picked = {span[-1]}
         extra = min(max_blocks - 1, len(span) - 1)
         if extra > 0:
-            picked.update(rng.sample(span[:-1], extra))
+            picked.update(cursors.take(key, span[:-1], extra) if cursors is not None
+                          else rng.sample(span[:-1], extra))
         return picked
     return set(rng.sample(span, min(max_blocks, len(span))))

@@ -638,3 +638,38 @@ SGLANG_SIGNALS: tuple[Signal, ...] = (
 ALL_SIGNALS = (*ALL_SIGNALS, *SGLANG_SIGNALS)
 ADAPTER_SIGNALS["sglang"] = SGLANG_SIGNALS
 # --- end of the SGLang adapter's block.
+
+
+# --- detection outlook (sidecar/outlook.py, issue 23): how much of the cache has been checked,
+# how fast a fault would be found, and the start burst. Bounded label: reason (BurstReason).
+class BurstReason(enum.StrEnum):
+    """The value of the ``reason`` label of :data:`SAMPLE_BURSTS`."""
+
+    START = "start"  # the sidecar (or the in-engine probe) started
+    RESTART = "restart"  # the engine restarted: a new probe said hello
+    UPGRADE = "upgrade"  # the probe's hello reports another version, KV layout or kernel
+
+
+VERIFIED_BLOCK_SHARE = _s("verified_block_share", G,
+                          "Share of the distinct cached blocks the sidecar knows of (its "
+                          "store records) verified since they were last written.")
+EXPECTED_DETECTION_SECONDS = _s(
+    "expected_detection_seconds", G,
+    "Expected time to the first detection of a fault that affects a fraction f of hits "
+    "(detection_fault_fraction): current 1-in-N / (f x hits per second); +Inf without hits.",
+    unit="seconds")
+EXPECTED_DETECTION_HITS = _s("expected_detection_hits", G,
+                             "Expected hits to the first detection of a fault affecting a "
+                             "fraction f of hits: current 1-in-N / f.")
+SAMPLE_EVERY_CURRENT = _s("sample_every", G,
+                          "The sampling rate in force: 1 hit in this many (lower during a "
+                          "start burst).")
+SAMPLE_BURSTS = _s("sample_bursts_total", C,
+                   "Start bursts of higher-rate sampling, by what started them (start, "
+                   "restart, upgrade).", ("reason",))
+OUTLOOK_SIGNALS: tuple[Signal, ...] = (
+    VERIFIED_BLOCK_SHARE, EXPECTED_DETECTION_SECONDS, EXPECTED_DETECTION_HITS,
+    SAMPLE_EVERY_CURRENT, SAMPLE_BURSTS,
+)
+ALL_SIGNALS = (*ALL_SIGNALS, *OUTLOOK_SIGNALS)
+# --- end of the detection outlook block.

@@ -260,7 +260,8 @@ def _cases() -> list[tuple[str, str]]:
 def test_hybrid_faults_apply_only_where_their_groups_are() -> None:
     assert set(HYBRID_FAULTS) == {"window-mismatch", "missing-group-state",
                                   "stale-recurrent-state", "null-block-read",
-                                  "evicted-between-match-and-read", "group-layout-mismatch"}
+                                  "evicted-between-match-and-read", "group-layout-mismatch",
+                                  "recurrent-double-apply"}
     assert not any(fault_applies(f, "reference") for f in HYBRID_FAULTS)
     assert not fault_applies("window-mismatch", "recurrent")
     assert not fault_applies("stale-recurrent-state", "hybrid")
@@ -323,6 +324,8 @@ def _fault_specific(fault: str, engine: HybridEngine, rec: Recorder, hit: Hit,
         assert "state of boundary" in details
     elif fault == "group-layout-mismatch":
         assert "transposed" in details
+    elif fault == "recurrent-double-apply":
+        assert "applied twice" in details
 
 
 def test_bench_detection_runs_hybrid_faults_on_the_models_that_have_their_groups(

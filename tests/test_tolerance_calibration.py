@@ -18,7 +18,13 @@ from sidecar.engines.reference.faults import FAULTS
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import BlockKV, BlockRef, Hit
 from sidecar.signals import AnomalyKind
-from sidecar.tolerance import MIN_ULPS, min_tolerance, parse_override, tolerance_for
+from sidecar.tolerance import (
+    MEASURED_MINIMUMS,
+    MIN_ULPS,
+    min_tolerance,
+    parse_override,
+    tolerance_for,
+)
 from tests.toy import BS, ToyAdapter, ToyEngine, reference_kv
 
 
@@ -35,7 +41,11 @@ def test_overrides_parse_and_bad_ones_are_clear_errors() -> None:
 
 def test_min_tolerance_is_a_few_ulps_of_the_dtype() -> None:
     assert min_tolerance("bfloat16") == MIN_ULPS * 2.0 ** -7
-    assert min_tolerance("torch.float32") == MIN_ULPS * 2.0 ** -23
+    # float32's measured floor (1.65e-6 reference engine, 1.5e-6 vLLM: the README's table)
+    # is over 8 epsilons: its minimum sits over that floor with a margin, under corruption.
+    assert min_tolerance("torch.float32") == MEASURED_MINIMUMS["float32"]
+    assert 4 * 1.65e-6 < min_tolerance("float32") > MIN_ULPS * 2.0 ** -23
+    assert min_tolerance("float32") < 5e-2 / 100
     # Over the honest long-context re-rounding measured in bfloat16 (~0.03), under what an
     # fp8 round trip of bfloat16 KV costs (~0.2).
     assert 0.03 < min_tolerance("bfloat16") < 0.2 / 2
@@ -44,7 +54,7 @@ def test_min_tolerance_is_a_few_ulps_of_the_dtype() -> None:
 
 # ---------------------------------------------------------------------- calibration
 def test_fixed_without_calibration_and_override_used_as_is() -> None:
-    cal = Calibration("bfloat16", None)
+    cal = Calibration("bfloat16", None, CalibrationConfig(samples=0))
     for _ in range(100):
         cal.observe("independent", 0.001, True)
     assert cal.tolerance("independent") == tolerance_for("bfloat16")
@@ -76,16 +86,16 @@ def test_calibration_learns_per_reference_clamped_between_ulps_and_ceiling() -> 
 
 def test_drift_is_recent_quantile_over_floor_and_reaches_multiple_at_tolerance() -> None:
     cal = Calibration("float32", None, CalibrationConfig(samples=4, multiple=4.0, window=32))
-    for e in (1e-6, 2e-6, 1e-6, 2e-6):
+    for e in (1e-5, 2e-5, 1e-5, 2e-5):
         cal.observe("independent", e, True)
     assert cal.states()[0].drift is None  # no recent errors yet: unknown, not 0
     for _ in range(32):
-        cal.observe("independent", 1e-6, True)
+        cal.observe("independent", 1e-5, True)
     assert cal.states()[0].drift == pytest.approx(0.5)
     for _ in range(32):
-        cal.observe("independent", 6e-6, True)  # 3x the floor: drifted, still under 8e-6
+        cal.observe("independent", 6e-5, True)  # 3x the floor: drifted, still under 8e-5
     st = cal.states()[0]
-    assert st.drift == pytest.approx(3.0) and st.tolerance > 6e-6
+    assert st.drift == pytest.approx(3.0) and st.tolerance > 6e-5
     exact = Calibration("bfloat16", None, CalibrationConfig(samples=1, multiple=4.0))
     exact.observe("engine", 0.0, True)
     for _ in range(20):
@@ -237,7 +247,8 @@ def test_tolerance_flags_reach_the_sidecar_config_of_demo_and_vllm_serve() -> No
                                       "--calibration-multiple", "3"])
     fields = config_fields(args)
     assert fields == {"tolerances": {"bfloat16": 0.1, "engine:float32": 1e-5},
-                      "calibration_samples": 32, "calibration_multiple": 3.0}
+                      "calibration_samples": 32, "calibration_multiple": 3.0,
+                      "calibration_profile": None}
     _, mon = build(DemoOptions(dtype="bfloat16", sidecar=fields))
     assert mon.verifier.tolerance == 0.1  # the override, not the table's 0.25
     serve = vllm_parser().parse_args(["serve", "--model", "m", "--dtype", "bfloat16",

@@ -34,8 +34,15 @@ from sidecar.config_layers import ConfigError
 def _engine_args(a: argparse.Namespace) -> int:
     flags = []
     if a.probe:
+        from sidecar.monitor import SidecarConfig
+
+        # The probe samples in the engine: it takes the start burst of [sidecar] (or the
+        # default), the sidecar mirrors it (sidecar/outlook.py).
+        burst = SidecarConfig(**{k: v for k, v in getattr(a, "sidecar_overrides", {}).items()
+                                 if k in ("burst_hits", "burst_every")})
         flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
-            a.probe, a.sample_every, a.blocks_per_sample, a.seed))]
+            a.probe, a.sample_every, a.blocks_per_sample, a.seed, burst.burst_hits,
+            burst.burst_every))]
     if a.events:
         flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
     print(" ".join(shlex.quote(f) for f in flags))

@@ -18,12 +18,14 @@ PROBE_MODULE = "sidecar.adapters.vllm.probe"
 
 
 def probe_transfer_config(endpoint: str, sample_every: int = 100, blocks_per_sample: int = 2,
-                          seed: int = 0) -> dict[str, Any]:
+                          seed: int = 0, burst_hits: int = 0,
+                          burst_every: int = 1) -> dict[str, Any]:
     return {"kv_connector": PROBE_CLASS, "kv_connector_module_path": PROBE_MODULE,
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"endpoint": endpoint, "sample_every": sample_every,
                                           "blocks_per_sample": blocks_per_sample,
-                                          "seed": seed}}
+                                          "seed": seed, "burst_hits": burst_hits,
+                                          "burst_every": burst_every}}
 
 
 def events_config(endpoint: str, replay_endpoint: str | None = None) -> dict[str, Any]:

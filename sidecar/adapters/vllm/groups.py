@@ -16,9 +16,9 @@ vLLM orders its groups by first appearance of each kind in layer order (the laye
 kind are one group here: these tiny models have as many layers of each kind), which
 :func:`groups_from_config` reproduces.
 
-Block choice (:func:`choose_group_blocks`) follows :func:`sidecar.coverage.required_blocks`
-group by group: each group's last required block, plus random earlier *required* blocks —
-never a block the group may legitimately hold as null.
+Block choice (:func:`choose_group_blocks`, the core's :func:`sidecar.sampling.choose_blocks`)
+follows :func:`sidecar.coverage.required_blocks` group by group: each group's last required
+block, plus earlier *required* blocks in rotation — never a null block.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar.coverage import required_blocks
 from sidecar.protocol import BlockRef, CacheGroup, GroupKind, Hit
+from sidecar.sampling import BlockCursors, choose_blocks
 
 VLLM_NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null (padding) block
 NULL_BLOCKS = frozenset({VLLM_NULL_BLOCK})
@@ -113,23 +113,12 @@ def groups_from_specs(kv_cache_config: Any, layer_index: Any) -> list[tuple[Cach
 
 
 def choose_group_blocks(hit: Hit, groups: Sequence[CacheGroup], block_size: int,
-                        max_blocks: int, rng: random.Random) -> list[BlockRef]:
+                        max_blocks: int, rng: random.Random,
+                        cursors: BlockCursors | None = None) -> list[BlockRef]:
     """Per group: the last block the group must hold for this hit, plus up to
-    ``max_blocks - 1`` random earlier ones among those it must hold
-    (:func:`sidecar.coverage.required_blocks`). Blocks a group may legitimately hold as
-    null are never chosen; a null block at a required position is chosen like any other
-    block there (it is the anomaly the verifier must see)."""
-    refs: list[BlockRef] = []
-    by_id = {g.group_id: g for g in groups}
-    for gid, ids in sorted(hit.blocks.items()):
-        group = by_id.get(gid) or CacheGroup(gid, GroupKind.FULL_ATTENTION, ())
-        need = required_blocks(group, hit.hit_tokens, block_size)
-        need = range(need.start, min(need.stop, len(ids)))
-        if not need or max_blocks <= 0:
-            continue
-        picks = {need[-1]}
-        extra = min(max_blocks - 1, len(need) - 1)
-        if extra > 0:
-            picks.update(rng.sample(need[:-1], extra))
-        refs.extend(BlockRef(gid, i, int(ids[i])) for i in sorted(picks))
-    return refs
+    ``max_blocks - 1`` earlier ones among those it must hold
+    (:func:`sidecar.coverage.required_blocks`), rotating through them with ``cursors``.
+    The core's chooser (:func:`sidecar.sampling.choose_blocks`), which the probe uses too:
+    null blocks are never chosen (one at a required position is found by the verifier's
+    coverage check over the whole hit)."""
+    return choose_blocks(hit, block_size, max_blocks, rng, groups=groups, cursors=cursors)

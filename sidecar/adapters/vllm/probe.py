@@ -15,7 +15,7 @@ What it does, all best-effort (an error is logged and counted, never raised into
 
 * scheduler half: for each newly scheduled request, a ``lookups`` entry (prompt tokens,
   tokens hit); 1 hit in ``sample_every`` (the sidecar's seeded :class:`UniformSampler`) is
-  sampled and its blocks chosen (last full block + random earlier ones, as the Monitor does).
+  sampled and its blocks chosen (last full block + earlier ones in rotation, as the Monitor does).
   A request whose ``cache_salt`` is a sidecar reference salt is the sidecar's own engine-side
   recompute: not a lookup, its named blocks are captured once its prefill has run;
 * worker half: after the step's forward, copies the chosen blocks out of the paged KV
@@ -24,7 +24,7 @@ What it does, all best-effort (an error is logged and counted, never raised into
 
 Hybrid models (Gemma2: sliding window + full; LFM2: conv state + full) have one KV-cache
 group per layer kind, each with its own block table. The probe chooses blocks group by
-group (:func:`.groups.choose_group_blocks`: only blocks the group must hold for the hit,
+group (:func:`sidecar.sampling.choose_blocks`: only blocks the group must hold for the hit,
 never an out-of-window or pre-boundary null block) and reads a recurrent group's blocks as
 states (:mod:`.state_layout`).
 
@@ -35,7 +35,6 @@ probe pins the vLLM version it was tested with and refuses to start on any other
 from __future__ import annotations
 
 import logging
-import random
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from sidecar.adapters.vllm.groups import choose_group_blocks, groups_from_specs
+from sidecar.adapters.vllm.groups import groups_from_specs
 from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.state_layout import (
@@ -61,6 +60,7 @@ from sidecar.adapters.vllm.state_layout import (
 )
 from sidecar.adapters.vllm.version import check_vllm_version
 from sidecar.adapters.vllm.wire import capture_fields, parse_reference_salt
+from sidecar.burst import Burst
 from sidecar.protocol import GroupKind, Hit
 from sidecar.sampling import UniformSampler
 
@@ -120,9 +120,12 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self._model = str(vllm_config.model_config.model)
         self._blocks_per_sample = int(extra.get("blocks_per_sample", 2))
+        # A start burst with every probe start: an engine restart or upgrade starts a new
+        # probe, so a new version, KV layout or kernel is checked at the burst's rate first.
         self._sampler = UniformSampler(int(extra.get("sample_every", 100)),
-                                       int(extra.get("seed", 0)))
-        self._rng = random.Random(int(extra.get("seed", 0)))
+                                       int(extra.get("seed", 0)),
+                                       burst=Burst(int(extra.get("burst_hits", 0)),
+                                                   int(extra.get("burst_every", 1))))
         self._pipe = Pipe(str(extra["endpoint"]), int(extra.get("pipe_hwm", 64)))
         self._group_layers = _group_layers(kv_cache_config)
         self._groups = [g for g, _ in groups_from_specs(kv_cache_config, _layer_index)]
@@ -188,9 +191,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             h = Hit(tokens=prompt[:hit], hit_tokens=hit,
                     blocks={g: ids[:n_full] for g, ids in blocks.items()})
             if n_full > 0 and self._sampler.should_sample(h):
-                refs = (choose_group_blocks(h, self._groups, bs, self._blocks_per_sample,
-                                            self._rng) if self._hybrid
-                        else self._sampler.choose(h, bs, self._blocks_per_sample))
+                # The core's chooser: the last block per group plus a rotation through the
+                # earlier ones the group must hold (sidecar.sampling.BlockCursors).
+                refs = self._sampler.choose(h, bs, self._blocks_per_sample, self._groups)
                 meta.captures.append(CaptureOrder(
                     uuid.uuid4().hex[:16], "hit", seen.salt if seen else None, prompt[:hit],
                     len(prompt), hit, {g: list(ids) for g, ids in h.blocks.items()},
@@ -277,7 +280,8 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             dtype=str(first.dtype).removeprefix("torch."), block_size=self._block_size,
             kv_heads=int(first.shape[1]), head_dim=int(first.shape[3]) // 2,
             groups={g: [_layer_index(n) for n in names] for g, names in self._layers.items()},
-            group_kinds={g.group_id: g.kind.value for g in self._groups})
+            group_kinds={g.group_id: g.kind.value for g in self._groups},
+            kv_layout=[str(first.dtype), list(first.shape[1:]), list(first.stride())])
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -327,3 +331,4 @@ def _group_layers(kv_cache_config: Any) -> dict[int, list[str]]:
 def _layer_index(name: str) -> int:
     m = _LAYER_INDEX.search(name)
     return int(m.group(1)) if m else 0
+

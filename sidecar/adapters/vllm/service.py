@@ -41,6 +41,7 @@ from sidecar.adapters.vllm.subscriber import EventSubscriber
 from sidecar.adapters.vllm.wire import Capture
 from sidecar.monitor import Monitor, SidecarConfig
 from sidecar.protocol import Lookup
+from sidecar.signals import BurstReason
 from sidecar.verifier import Sample, Verdict
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class VllmSidecar:
                                            cfg.replay_endpoint, bind=cfg.events_bind)
                            if cfg.events_endpoint else None)
         self.engine_mismatches: list[str] = []
+        self._last_build: str | None = None  # hello_build of the last probe that said hello
 
     def _make_reference(self, cfg: VllmSidecarConfig, submit: Submit | None) -> Any:
         if cfg.reference == "hf":
@@ -145,6 +147,13 @@ class VllmSidecar:
         self.monitor.on_captured(lookup, blocks)
 
     def _on_hello(self, hello: dict[str, Any]) -> None:
+        # A new probe is a new engine process: its sampler starts a burst, and so does the
+        # sidecar's mirror of it; "upgrade" when the version, KV layout or kernel changed.
+        build = hello_build(hello)
+        if self._last_build is not None:
+            self.monitor.outlook.rearm(BurstReason.UPGRADE if build != self._last_build
+                                       else BurstReason.RESTART)
+        self._last_build = build
         self.engine_mismatches = hello_mismatches(self.info, hello)
         if self.engine_mismatches:
             log.error("the engine is not the one the sidecar was configured for: %s; "
@@ -200,3 +209,12 @@ class VllmSidecar:
         out["probe_messages"] = self.receiver.messages if self.receiver else 0
         out["engine_mismatches"] = self.engine_mismatches
         return out
+
+
+def hello_build(hello: dict[str, Any]) -> str:
+    """What identifies the engine's build in a probe's hello: version, KV layout (dtype,
+    per-block shape, strides) and cache groups; a change of any of them after a restart is
+    an upgrade. (vLLM 0.32 gives a KV connector no name for its attention kernel: a kernel
+    change shows only where it changes the layout.)"""
+    return repr([hello.get(k) for k in ("vllm", "kv_layout", "block_size",
+                                        "kv_heads", "head_dim", "groups", "group_kinds")])

@@ -14,7 +14,7 @@ window-mismatch -> window_mismatch; null-block-read -> null_block_read;
 stale-recurrent-state -> stale_recurrent_state; missing-group-state, evicted-between-match-
 and-read, group-layout-mismatch -> recompute_mismatch on group 1 (the served block holds some
 other content; the evicted one sometimes stale_recurrent_state, its donor being an earlier
-boundary's state). Importing the
+boundary's state); recurrent-double-apply -> recompute_mismatch on group 1. Importing the
 package (``sidecar.engines.reference``) imports this module, which adds these faults to
 :data:`~sidecar.engines.reference.faults.FAULTS`.
 """
@@ -139,6 +139,32 @@ class StaleRecurrentState(Fault):
         return previous
 
 
+class RecurrentDoubleApply(Fault):
+    name = "recurrent-double-apply"
+    description = ("the recurrent checkpoint at a prompt that ends on an exact block multiple "
+                   "already includes the last token, and the engine applies that token's "
+                   "state transition again (LMCache 5151): the conv window shifts twice")
+    corrupts_kv = True
+    default_probability = 1.0  # every exact-multiple checkpoint: the bug is deterministic
+    needs_groups = frozenset({_RECURRENT})
+
+    def state_to_store(self, engine: Any, seq: RunningSequence, index: int,
+                       state: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        bs = engine.block_size
+        end = (index + 1) * bs
+        if end != seq.prompt_len or not (self.active(seq.seq_id) and self.chance()):
+            return state
+        # A short convolution's state is its last L inputs (last dim): applying the last
+        # input again shifts the window once more and repeats that input.
+        twice = torch.cat([state[..., 1:], state[..., -1:]], dim=-1)
+        if torch.equal(twice, state):
+            return state
+        self.record(seq.seq_id, engine.table(seq, OTHER_GROUP)[index],
+                    f"boundary {index} (prompt end, {end} tokens) stored with the last "
+                    "token's transition applied twice")
+        return twice
+
+
 class GroupLayoutMismatch(Fault):
     name = "group-layout-mismatch"
     description = ("one cache group only (sliding window or recurrent state) writes its "
@@ -162,7 +188,7 @@ class GroupLayoutMismatch(Fault):
 
 HYBRID_FAULTS: tuple[type[Fault], ...] = (
     WindowMismatch, MissingGroupState, StaleRecurrentState, NullBlockRead,
-    EvictedBetweenMatchAndRead, GroupLayoutMismatch)
+    EvictedBetweenMatchAndRead, GroupLayoutMismatch, RecurrentDoubleApply)
 FAULTS.update({cls.name: cls for cls in HYBRID_FAULTS})  # listed with every other fault
 
 # The cache-group kinds of each model the reference engine runs (``--model``).
