@@ -102,6 +102,11 @@ class SidecarConfig:
             problem = limit.problem(getattr(self, f.name)) if limit else None
             if problem:
                 raise ValueError(f"{f.name} {problem}")
+        if 0 < self.recompute_tokens_per_s < MIN_RECOMPUTE_TOKENS_PER_S:
+            raise ValueError(f"recompute_tokens_per_s must be <= 0 (unlimited) or >= "
+                             f"{MIN_RECOMPUTE_TOKENS_PER_S:g}, got "
+                             f"{short(self.recompute_tokens_per_s)} (a budget that small "
+                             f"verifies nothing)")
         calibration_config(self).validate()
 
 
@@ -159,6 +164,7 @@ class Limit:
 
 
 DAY_S = 86_400.0  # no duration or interval of the sidecar is sanely longer than a day
+MIN_RECOMPUTE_TOKENS_PER_S = 1.0
 SEED = Limit(low=-(2**63), high=2**63 - 1)
 PORT = Limit(low=0, high=65_535)
 # The one table of ranges and choices (types come from the field annotations / the flags'
@@ -166,11 +172,14 @@ PORT = Limit(low=0, high=65_535)
 # command sections by path ("demo.port"). Every numeric field has an entry with both bounds
 # (tests/test_config_limits.py); a numeric flag key without one gets FLAG_DEFAULT.
 LIMITS: dict[str, Limit] = {
-    "sample_every": Limit(low=1, high=10**9),
-    "blocks_per_sample": Limit(low=1, high=4096),
+    "sample_every": Limit(low=1, high=2**40),  # tests: 1 << 30 = never
+    "blocks_per_sample": Limit(low=1, high=1 << 20),  # bench: 1 << 20 = every block
     "queue_size": Limit(low=1, high=10**6),
-    "adapter_timeout_s": Limit(low=0, low_open=True, high=3600),
-    "recompute_tokens_per_s": Limit(low=-1e15, high=1e15),  # <= 0: unlimited
+    # Under 1 ms every adapter call times out: the sidecar would verify nothing.
+    "adapter_timeout_s": Limit(low=1e-3, high=3600),
+    # <= 0: unlimited; between 0 and 1 token/s a budget refills so slowly that nothing is
+    # verified (refused in SidecarConfig.validate).
+    "recompute_tokens_per_s": Limit(low=-1e15, high=1e15),
     "store_records": Limit(low=1, high=10**8),
     "evidence_capacity": Limit(low=1, high=10**6),
     "latency_window": Limit(low=1, high=10**7),

@@ -47,7 +47,7 @@ def test_every_numeric_field_is_bounded_by_the_one_table() -> None:
 
 
 @pytest.mark.parametrize("toml, says", [
-    ("adapter_timeout_s = inf", "sidecar.adapter_timeout_s: must be > 0 and <= 3600, got inf"),
+    ("adapter_timeout_s = inf", "sidecar.adapter_timeout_s: must be >= 0.001 and <= 3600, got inf"),
     ("allocator_every_s = inf", "sidecar.allocator_every_s: must be >= -86400"),
     ("scrub_every_s = inf", "sidecar.scrub_every_s: must be > 0 and <= 86400, got inf"),
     ("scrub_every_s = 1e300", "sidecar.scrub_every_s: must be > 0 and <= 86400"),
@@ -55,6 +55,11 @@ def test_every_numeric_field_is_bounded_by_the_one_table() -> None:
     ("seed = 1" + "0" * 400, "sidecar.seed: must be >="),
     ("adapter_timeout_s = 1" + "0" * 400, "sidecar.adapter_timeout_s: must be a finite"),
     ("queue_size = 1" + "0" * 30, "sidecar.queue_size: must be >= 1 and <= 1000000"),
+    # Values that passed `config check` yet blinded the demo (outside check): every call
+    # timed out, the budget never refilled, a tolerance no error could exceed.
+    ("adapter_timeout_s = 1e-300", "sidecar.adapter_timeout_s: must be >= 0.001"),
+    ("recompute_tokens_per_s = 1e-300", "recompute_tokens_per_s must be <= 0 (unlimited) or >= 1"),
+    ("tolerances = { float32 = 1e30 }", "must be a number > 0 and <= 1"),
 ])
 def test_infinite_and_huge_numbers_are_refused(tmp_path, capsys, toml, says) -> None:
     path = tmp_path / "c.toml"
@@ -67,7 +72,7 @@ def test_env_1e400_and_explicit_inf_flags_are_refused(monkeypatch, capsys) -> No
     monkeypatch.setenv("KVSIDECAR_ADAPTER_TIMEOUT_S", "1e400")
     assert main(["config", "show"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "KVSIDECAR_ADAPTER_TIMEOUT_S (sidecar.adapter_timeout_s): must be > 0" in line
+    assert "KVSIDECAR_ADAPTER_TIMEOUT_S (sidecar.adapter_timeout_s): must be >= 0.001" in line
     # the demo, on 75d8333, then verified 0 blocks and exited 0 with a fault injected
     assert main(["demo", "--fault", "zero-block", "--requests", "10"]) == 2
     assert "KVSIDECAR_ADAPTER_TIMEOUT_S" in _one_error_line(capsys.readouterr().err)
