@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repeats per figure (default 5)")
     p.add_argument("--no-instructions", action="store_true",
                    help="skip the callgrind instruction counts (about 2-4 min on 2 cores)")
+    p.add_argument("--instructions", action="store_true",
+                   help="count instructions under callgrind even with --quick")
     p.add_argument("--figures", default="hooks,engine,checks,events,memory,latency,tail",
                    help="comma-separated subset of: hooks, engine, checks, events, memory, "
                         "latency, tail (default: all)")
@@ -63,6 +65,11 @@ HOOK_TARGETS_NS = {
     "on_free": 500.0,
     "on_request_done": 500.0,
 }
+
+# Whole-process cost per event of the journaled hooks: the hook on the engine thread plus
+# applying its journal entry later, in the same process (issue 22).
+PROCESS_TARGETS_NS = {"on_store": 1500.0, "on_free": 1500.0, "on_allocate": 1000.0,
+                      "on_release": 1000.0}
 
 
 def _fmt_spread(lo: float, hi: float) -> str:
@@ -86,6 +93,15 @@ def hooks_rows(quick: bool, repeats: int, instructions: bool, raw: dict[str, Any
                         f"<= {target:g} ns" if target else "-",
                         hook["median"] <= target if target else None,
                         _fmt_spread(hook["min"], hook["max"])))
+        if case.name in H.JOURNALED:
+            total = H.summarize(t["total_ns"])
+            raw["hooks"][case.name].update(apply_ns=H.summarize(t["apply_ns"]),
+                                           total_ns=total)
+            pt = PROCESS_TARGETS_NS[case.name]
+            rows.append(Row(f"{case.name}: process ns/event (hook + journal apply)",
+                            total["median"], noop["median"], "ns",
+                            total["median"] / noop["median"], f"<= {pt:g} ns",
+                            total["median"] <= pt, _fmt_spread(total["min"], total["max"])))
     ot = H.time_otel(n, repeats)
     on, off = H.summarize(ot["otel_on_ns"]), H.summarize(ot["otel_off_ns"])
     raw["otel"] = {"calls": n, "otel_on_ns": on, "otel_off_ns": off}
@@ -96,13 +112,25 @@ def hooks_rows(quick: bool, repeats: int, instructions: bool, raw: dict[str, Any
     if instructions:
         ic = H.instruction_counts(200 if quick else 2000)
         raw["instructions"] = ic
+        if "error" in ic:
+            rows.append(Row(f"instructions: skipped ({ic['error'][:80]})", float("nan"),
+                            float("nan"), "instr", float("nan"), "-", None))
         for name, c in ic.get("cases", {}).items():
-            rows.append(Row(f"{name}: instructions/call", c["hook"], c["noop"], "instr",
+            rows.append(Row(f"{name}: instructions/call on the engine thread", c["hook"],
+                            c["noop"], "instr",
                             c["hook"] / c["noop"] if c["noop"] else float("inf"), "-", None))
+            if name in H.JOURNALED:
+                rows.append(Row(f"{name}: process instructions/event (hook + journal apply)",
+                                c["total"], c["noop"], "instr",
+                                c["total"] / c["noop"] if c["noop"] else float("inf"), "-",
+                                None))
     return rows
 
 
 def engine_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
+    """Detached (no sidecar, no fingerprint) vs attached, by three clocks: wall, the engine
+    thread's CPU, and the whole process's CPU (all threads, deferred work drained). The
+    ratio is the median of per-repeat ratios (interleaved), its spread min..max."""
     from sidecar.bench import perf_engine as E
 
     requests = 24 if quick else 240
@@ -110,17 +138,16 @@ def engine_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
     raw["engine"] = eo
     det = eo["detached"]
     rows = []
+    clocks = (("wall_s", "wall time"), ("process_cpu_s", "process CPU (all threads)"),
+              ("engine_cpu_s", "engine-thread CPU"))
     for name, target in (("N=1000", 0.98), ("N=100", 0.95)):
         r = eo[name]
-        cpu_ratio = det["engine_cpu_s"] / r["engine_cpu_s"]
-        rows.append(Row(f"engine throughput, sidecar {name}: requests/s by engine-thread CPU",
-                        r["requests"] / r["engine_cpu_s"], det["requests"] / det["engine_cpu_s"],
-                        "req/s", cpu_ratio, f">= {target:g}", cpu_ratio >= target,
-                        _fmt_spread(*r["cpu_spread"]) + " s"))
-        wall_ratio = det["wall_s"] / r["wall_s"]
-        rows.append(Row(f"engine throughput, sidecar {name}: requests/s by wall time",
-                        r["requests"] / r["wall_s"], det["requests"] / det["wall_s"], "req/s",
-                        wall_ratio, "-", None, _fmt_spread(*r["wall_spread"]) + " s"))
+        for clock, label in clocks:
+            q = r[f"ratio_{clock}"]
+            rows.append(Row(f"engine throughput, sidecar {name}: requests/s by {label}",
+                            r["requests"] / r[clock], det["requests"] / det[clock], "req/s",
+                            q["median"], f">= {target:g}", q["median"] >= target,
+                            _fmt_spread(q["min"], q["max"]) + " (ratio)"))
     return rows
 
 
@@ -148,6 +175,8 @@ def prefill_share_row(raw: dict[str, Any]) -> Row | None:
 
 
 def check_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
+    """Each check's GB/s against a one-pass amax and against a raw one-pass read of the
+    same bytes (the physical limit); the target (>= 0.5) is set against the raw read."""
     from sidecar.bench import perf_data as D
 
     res = D.check_throughput(1 if quick else repeats, 0.02 if quick else 0.2)
@@ -155,13 +184,21 @@ def check_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
     rows = []
     for r in res:
         g = r["gb_per_s"]
+        rows.append(Row(f"{r['raw_read']}, {r['block']}: GB/s vs one-pass amax",
+                        g["raw read"], g["amax"], "GB/s", g["raw read"] / g["amax"], "-",
+                        None, _fmt_spread(*r["spread"]["raw read"])))
         for check in ("content stats", "digest", "recompute compare", "clone"):
-            ratio = g[check] / g["amax"]
-            target = None if check == "clone" else 0.5
-            rows.append(Row(f"{check}, {r['block']}: GB/s vs one-pass amax", g[check],
-                            g["amax"], "GB/s", ratio, f">= {target:g}" if target else "-",
-                            ratio >= target if target else None,
-                            _fmt_spread(*r["spread"][check])))
+            spread = _fmt_spread(*r["spread"][check])
+            # Content stats are held to the physical limit (issue 22); the digest and the
+            # compare keep their target against amax.
+            vs_amax = 0.5 if check in ("digest", "recompute compare") else None
+            vs_raw = 0.5 if check == "content stats" else None
+            for base, target in (("amax", vs_amax), ("raw read", vs_raw)):
+                ratio = g[check] / g[base]
+                label = "one-pass amax" if base == "amax" else "a raw one-pass read"
+                rows.append(Row(f"{check}, {r['block']}: GB/s vs {label}", g[check],
+                                g[base], "GB/s", ratio, f">= {target:g}" if target else "-",
+                                ratio >= target if target else None, spread))
     return rows
 
 
@@ -205,15 +242,24 @@ def latency_rows(quick: bool, raw: dict[str, Any]) -> list[Row]:
             for q, key in (("P50", "p50_s"), ("P99", "p99_s"))]
 
 
-def tail_rows(quick: bool, raw: dict[str, Any]) -> list[Row]:
+def tail_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
+    """Unsampled on_lookup while the verifier works vs idle (the GIL's share), and the
+    sampled lookups (capture at match time) apart, against the same idle baseline."""
     from sidecar.bench import perf_engine as E
 
-    res = E.hook_tail_latency(24 if quick else 200)
+    res = E.hook_tail_latency(24 if quick else 200, 1 if quick else max(1, min(repeats, 3)))
     raw["tail"] = res
-    b, i = res["busy"], res["idle"]
-    return [Row(f"on_lookup {q} on the engine thread, verifier busy vs idle", b[k], i[k], "ns",
-                b[k] / i[k] if i[k] else float("nan"), "-", None)
-            for q, k in (("p99", "p99_ns"), ("p99.9", "p999_ns"))]
+    b, s, i = res["busy_unsampled"], res["sampled"], res["idle"]
+    rows = []
+    for q, k in (("p99", "p99_ns"), ("p99.9", "p999_ns")):
+        rows.append(Row(f"on_lookup {q}, unsampled, on the engine thread, verifier busy vs "
+                        "idle", b[k], i[k], "ns", b[k] / i[k] if i[k] else float("nan"),
+                        "-", None, _fmt_spread(*b[f"{k}_spread"])))
+    rows.append(Row("on_lookup p99, sampled (capture at match time), vs unsampled idle",
+                    s["p99_ns"], i["p99_ns"], "ns",
+                    s["p99_ns"] / i["p99_ns"] if i["p99_ns"] else float("nan"), "-", None,
+                    _fmt_spread(*s["p99_ns_spread"])))
+    return rows
 
 
 FIGURES = ("hooks", "engine", "checks", "events", "memory", "latency", "tail")
@@ -240,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         _progress(f"bench perf: {fig} ...", args)
         if fig == "hooks":
             rows += hooks_rows(args.quick, repeats,
-                               not (args.quick or args.no_instructions), raw)
+                               args.instructions or not (args.quick or args.no_instructions),
+                               raw)
         elif fig == "engine":
             rows += engine_rows(args.quick, repeats, raw)
             share = prefill_share_row(raw)
@@ -255,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         elif fig == "latency":
             rows += latency_rows(args.quick, raw)
         elif fig == "tail":
-            rows += tail_rows(args.quick, raw)
+            rows += tail_rows(args.quick, repeats, raw)
     if getattr(args, "guard", False):  # the guard's block (sidecar/bench/perf_guard.py)
         from sidecar.bench.perf_guard import guard_rows
 

@@ -32,9 +32,11 @@ PREFILL_FLOPS_PER_TOKEN_8B = 2 * 8e9
 PREFILL_FLOP_PER_S = 400e12
 
 
-def _engine(seed: int, num_blocks: int = 256) -> ReferenceEngine:
+def _engine(seed: int, num_blocks: int = 256, kv_digest: bool = True) -> ReferenceEngine:
+    """``kv_digest``: the write-time fingerprint exists for the sidecar only, so the
+    detached baseline computes none and the attached runs pay for it (issue 22)."""
     return ReferenceEngine(EngineConfig(model=ModelConfig(dtype="float32", seed=seed),
-                                        num_blocks=num_blocks, kv_digest=True))
+                                        num_blocks=num_blocks, kv_digest=kv_digest))
 
 
 def _workload(engine: ReferenceEngine, seed: int, requests: int) -> ChatWorkload:
@@ -44,32 +46,41 @@ def _workload(engine: ReferenceEngine, seed: int, requests: int) -> ChatWorkload
 
 def run_engine(requests: int, sample_every: int | None, seed: int = 0,
                time_lookups: bool = False, unlimited_budget: bool = False) -> dict[str, Any]:
-    """One seeded run. ``sample_every=None``: detached (no sink at all)."""
-    engine = _engine(seed)
+    """One seeded run. ``sample_every=None``: detached (no sink at all, no fingerprint).
+
+    Three clocks: wall time of the drive; the engine thread's CPU (``thread_time``); and
+    the whole process's CPU (``process_time``: every thread, the journal's, the
+    verifier's and the poller's included), from the drive's start until the sidecar has
+    drained and stopped, so deferred work is counted, not left behind."""
+    engine = _engine(seed, kv_digest=sample_every is not None)
     monitor: Monitor | None = None
     verify_latency: list[float] = []
     lookup_ns: list[int] = []
+    lookup_sampled: list[bool] = []
     if sample_every is not None:
         cfg = SidecarConfig(sample_every=sample_every, seed=seed,
                             recompute_tokens_per_s=0 if unlimited_budget else 100_000.0)
         monitor = Monitor(ReferenceAdapter(engine), cfg)
         if time_lookups:
-            _time_lookups(monitor, lookup_ns)
+            _time_lookups(monitor, lookup_ns, lookup_sampled)
         _time_verdicts(monitor, verify_latency)
         engine.sink = monitor
         monitor.start()
     prompt_tokens = 0
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
-    results = drive(engine, _workload(engine, seed, requests), max_requests=requests)
+    workload = _workload(engine, seed, requests)
+    wall0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
+    results = drive(engine, workload, max_requests=requests)
     wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
     for r in results:
         prompt_tokens += r.prompt_tokens
     if monitor is not None:
         monitor.drain(timeout_s=120)
         monitor.stop()
-    return {"wall_s": wall, "engine_cpu_s": cpu, "requests": len(results),
-            "prompt_tokens": prompt_tokens, "verify_latency_s": verify_latency,
-            "lookup_ns": lookup_ns}
+    process_cpu = time.process_time() - proc0
+    return {"wall_s": wall, "engine_cpu_s": cpu, "process_cpu_s": process_cpu,
+            "requests": len(results), "prompt_tokens": prompt_tokens,
+            "verify_latency_s": verify_latency, "lookup_ns": lookup_ns,
+            "sampled": lookup_sampled}
 
 
 def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
@@ -83,14 +94,25 @@ def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
     monitor.apply = timed  # type: ignore[method-assign]
 
 
-def _time_lookups(monitor: Monitor, out: list[int]) -> None:
+def _time_lookups(monitor: Monitor, out: list[int], sampled: list[bool]) -> None:
+    """Per lookup: ns on the engine thread, and whether it was sampled (took a sample at
+    match time), so the tail of unsampled hooks is reported apart from sampled ones."""
     on_lookup = monitor.on_lookup
+    enqueue = monitor._enqueue
+    flag = [False]
+
+    def enqueued(*args: Any) -> None:
+        flag[0] = True
+        enqueue(*args)
 
     def timed(lookup: Lookup) -> None:
+        flag[0] = False
         t0 = time.perf_counter_ns()
         on_lookup(lookup)
         out.append(time.perf_counter_ns() - t0)
+        sampled.append(flag[0])
 
+    monitor._enqueue = enqueued  # type: ignore[method-assign,assignment]
     monitor.on_lookup = timed  # type: ignore[method-assign]
 
 
@@ -107,11 +129,22 @@ def engine_overhead(requests: int, repeats: int) -> dict[str, Any]:
         out[name] = {
             "wall_s": statistics.median(r["wall_s"] for r in rs),
             "engine_cpu_s": statistics.median(r["engine_cpu_s"] for r in rs),
+            "process_cpu_s": statistics.median(r["process_cpu_s"] for r in rs),
             "wall_spread": [min(r["wall_s"] for r in rs), max(r["wall_s"] for r in rs)],
             "cpu_spread": [min(r["engine_cpu_s"] for r in rs),
                            max(r["engine_cpu_s"] for r in rs)],
+            "process_cpu_spread": [min(r["process_cpu_s"] for r in rs),
+                                   max(r["process_cpu_s"] for r in rs)],
             "requests": rs[0]["requests"], "prompt_tokens": rs[0]["prompt_tokens"],
         }
+    # Ratios per interleaved repeat (detached / attached of the same repeat): their spread
+    # is what load does to the ratio itself.
+    for name in ("N=1000", "N=100"):
+        for clock in ("wall_s", "engine_cpu_s", "process_cpu_s"):
+            ratios = [d[clock] / a[clock]
+                      for d, a in zip(runs["detached"], runs[name], strict=True)]
+            out[name][f"ratio_{clock}"] = {"median": statistics.median(ratios),
+                                           "min": min(ratios), "max": max(ratios)}
     return out
 
 
@@ -132,12 +165,32 @@ def verification_latency(requests: int) -> dict[str, Any]:
             "prefill_256_tokens_s": statistics.median(prefill)}
 
 
-def hook_tail_latency(requests: int) -> dict[str, Any]:
-    """Per-call on_lookup latency on the engine thread: verifier busy (1 in 2 sampled,
-    unlimited budget) vs idle (nothing sampled), same workload."""
-    busy = run_engine(requests, 2, time_lookups=True, unlimited_budget=True)["lookup_ns"]
-    idle = run_engine(requests, 10**9, time_lookups=True)["lookup_ns"]
-    return {"busy": _tail(busy), "idle": _tail(idle)}
+def hook_tail_latency(requests: int, repeats: int = 1) -> dict[str, Any]:
+    """Per-call on_lookup latency on the engine thread, same workload: the unsampled hooks
+    while the verifier works (1 in 2 sampled, unlimited budget) vs idle (nothing
+    sampled); the sampled lookups of the busy run (their capture at match time) apart.
+    Per repeat one busy and one idle run, interleaved; each percentile with its spread."""
+    busy: list[dict[str, float]] = []
+    sampled: list[dict[str, float]] = []
+    idle: list[dict[str, float]] = []
+    for _ in range(repeats):
+        run = run_engine(requests, 2, time_lookups=True, unlimited_budget=True)
+        pairs = list(zip(run["lookup_ns"], run["sampled"], strict=True))
+        busy.append(_tail([ns for ns, s in pairs if not s]))
+        sampled.append(_tail([ns for ns, s in pairs if s]))
+        idle.append(_tail(run_engine(requests, 10**9, time_lookups=True)["lookup_ns"]))
+    return {"busy_unsampled": _spread(busy), "sampled": _spread(sampled),
+            "idle": _spread(idle)}
+
+
+def _spread(tails: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Median of each percentile over repeats, and its min..max."""
+    out: dict[str, Any] = {}
+    for k in tails[0]:
+        vals = [t[k] for t in tails]
+        out[k] = statistics.median(vals)
+        out[f"{k}_spread"] = [min(vals), max(vals)]
+    return out
 
 
 def _tail(ns: Sequence[int]) -> dict[str, float]:

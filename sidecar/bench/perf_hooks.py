@@ -97,6 +97,13 @@ class NoopSink:
     def on_request_done(self, latency_seconds: float) -> None:
         pass
 
+    def on_allocate(self, group_id: int, seq_id: Any, block_ids: Sequence[int],
+                    generations: Sequence[int]) -> None:
+        pass
+
+    def on_release(self, group_id: int, seq_id: Any, block_ids: Sequence[int]) -> None:
+        pass
+
 
 def monitor_for(sample_every: int, queue_size: int = 64, **config: Any) -> Monitor:
     """A Monitor on the synthetic adapter with production defaults, the worker not started
@@ -157,7 +164,18 @@ CASES: tuple[HookCase, ...] = (
              lambda n: [(0, (i % NUM_BLOCKS,)) for i in range(n)], prepare=_prestore),
     HookCase("on_request_done", lambda s: s.on_request_done,
              lambda n: [(0.05 + (i % 7) * 0.01,) for i in range(n)]),
+    # What the reference engine sends per request: the sequence's fresh blocks (8 here).
+    HookCase("on_allocate", lambda s: s.on_allocate,
+             lambda n: [(0, i, tuple((i + b) % NUM_BLOCKS for b in range(8)), (1,) * 8)
+                        for i in range(n)]),
+    HookCase("on_release", lambda s: s.on_release,
+             lambda n: [(0, i, tuple((i + b) % NUM_BLOCKS for b in range(8)))
+                        for i in range(n)]),
 )
+
+# Each of these hooks appends to the cache-event journal; applying it later is work the
+# engine's process pays too (sidecar.journal), so their figure is hook + apply.
+JOURNALED = ("on_store", "on_free", "on_allocate", "on_release")
 
 
 def _loop(fn: Callable[..., None], args: Sequence[tuple[Any, ...]]) -> int:
@@ -168,10 +186,13 @@ def _loop(fn: Callable[..., None], args: Sequence[tuple[Any, ...]]) -> int:
 
 
 def time_case(case: HookCase, n: int, repeats: int) -> dict[str, Any]:
-    """ns per call of the hook and of its no-op twin, interleaved per repeat."""
+    """ns per call of the hook and of its no-op twin, interleaved per repeat; for journaled
+    hooks also the ns per event of applying the journal afterwards (``apply_ns``: the
+    same process pays it, on the journal's thread or whoever drains first)."""
     args = case.args(n)
     hook_ns: list[float] = []
     noop_ns: list[float] = []
+    apply_ns: list[float] = []
     noop = NoopSink()
     for _ in range(repeats):
         mon = monitor_for(case.sample_every, queue_size=n + 1)
@@ -181,8 +202,12 @@ def time_case(case: HookCase, n: int, repeats: int) -> dict[str, Any]:
         gc.collect()
         noop_ns.append(_loop(case.call(noop), args) / n)
         hook_ns.append(_loop(case.call(mon), args) / n)
+        t0 = time.perf_counter_ns()
+        mon.journal.drain()
+        apply_ns.append((time.perf_counter_ns() - t0) / n)
         mon.stop()
-    return {"hook_ns": hook_ns, "noop_ns": noop_ns}
+    return {"hook_ns": hook_ns, "noop_ns": noop_ns, "apply_ns": apply_ns,
+            "total_ns": [h + a for h, a in zip(hook_ns, apply_ns, strict=True)]}
 
 
 class _DiscardExporter:
@@ -241,6 +266,8 @@ def _child_main(n: int) -> None:
         os.getppid()  # dump: set-up (or the previous case's gc)
         _loop(case.call(mon), args)
         os.getppid()  # dump: the hook phase
+        mon.journal.drain()
+        os.getppid()  # dump: the journal apply phase (empty for hooks that journal nothing)
         _loop(case.call(noop), args)
         os.getppid()  # dump: the no-op phase
 
@@ -261,13 +288,14 @@ def instruction_counts(n: int = 2000, timeout_s: float = 600.0) -> dict[str, Any
             return {"error": f"callgrind child failed: {proc.stderr.strip()[-300:]}"}
         dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
         totals = [_total(p) for p in dumps]
-    # Per case three dumps: set-up/gc before it, the hook phase, the no-op phase.
-    if len(totals) < 3 * len(CASES):
-        return {"error": f"expected {3 * len(CASES)} callgrind dumps, got {len(totals)}"}
+    # Per case four dumps: set-up/gc before it, the hook, the journal apply, the no-op.
+    if len(totals) < 4 * len(CASES):
+        return {"error": f"expected {4 * len(CASES)} callgrind dumps, got {len(totals)}"}
     out_cases = {}
     for i, case in enumerate(CASES):
-        hook, noop = totals[3 * i + 1], totals[3 * i + 2]
-        out_cases[case.name] = {"hook": hook / n, "noop": noop / n}
+        hook, apply, noop = totals[4 * i + 1], totals[4 * i + 2], totals[4 * i + 3]
+        out_cases[case.name] = {"hook": hook / n, "apply": apply / n,
+                                "total": (hook + apply) / n, "noop": noop / n}
     return {"calls_per_phase": n, "cases": out_cases}
 
 

@@ -177,6 +177,11 @@ class ReferenceEngine(BatchScheduler):
             self._emit("on_free", GROUP_ID, alloc.evicted)
         if not alloc.ok:
             return None
+        self.stats["admitted"] += 1
+        self.stats["query_tokens"] += len(prompt)
+        self.stats["hit_tokens"] += seq.hit_tokens
+        if self.sink is None:  # detached: no hook arguments built (bench perf's baseline)
+            return seq
         self._emit("on_allocate", GROUP_ID, index, alloc.block_ids,
                    tuple(self.pool.blocks[b].generation for b in alloc.block_ids))
         for b, entry, _ in loaded:  # reported like any stored block, with its original digest
@@ -186,9 +191,6 @@ class ReferenceEngine(BatchScheduler):
                 prefix_tokens=entry.prefix_tokens, key_fields=dict(entry.key_fields),
                 parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=entry.kv_digest,
                 seq_id=index))
-        self.stats["admitted"] += 1
-        self.stats["query_tokens"] += len(prompt)
-        self.stats["hit_tokens"] += seq.hit_tokens
         hit = None
         if hit_ids:
             hit = Hit(tokens=tuple(prompt), hit_tokens=seq.hit_tokens,
@@ -283,11 +285,12 @@ class ReferenceEngine(BatchScheduler):
                 digest = self._digest(*self.pool.read_block(b)) if self._digest else None
                 if self.tier is not None:
                     self._digests[b] = digest
-            self._emit("on_store", StoredBlock(
-                group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
-                prefix_tokens=i * bs, key_fields=key_dict,
-                parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest,
-                seq_id=seq.seq_id))
+            if self.sink is not None:  # detached: no hook arguments built
+                self._emit("on_store", StoredBlock(
+                    group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
+                    prefix_tokens=i * bs, key_fields=key_dict,
+                    parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest,
+                    seq_id=seq.seq_id))
             with self.lock:
                 self.fault.on_block_stored(self, seq, b)
         seq.num_cached_blocks = full
