@@ -151,14 +151,20 @@ def test_premature_free_seen_by_the_census(stack: Stack) -> None:
     srv.generate(prefix + [9])
     assert _violations(stack)[K.FREE_WHILE_INDEXED.value] == 0
     freed = srv.fault("free", tokens=prefix)["slots"]
+
+    def named_slots() -> set[int]:
+        return {v["block_id"] for e in sc.monitor.evidence.recent(100)
+                if e.get("type") == "invariant_violation" for v in e["violations"]
+                if v["kind"] == K.FREE_WHILE_INDEXED.value}
+
+    # The counter and the evidence record are written one after the other by another
+    # thread: wait for both, not only the first.
     deadline = time.monotonic() + 120
-    while _violations(stack)[K.FREE_WHILE_INDEXED.value] == 0 and \
+    while (_violations(stack)[K.FREE_WHILE_INDEXED.value] == 0 or not named_slots()) and \
             time.monotonic() < deadline:
         time.sleep(0.2)
     v = _violations(stack)
     MEASUREMENTS[f"{stack.dtype} premature free violations"] = v
     assert v[K.FREE_WHILE_INDEXED.value] >= 1, v
-    named = {v["block_id"] for e in sc.monitor.evidence.recent(100)
-             if e.get("type") == "invariant_violation" for v in e["violations"]
-             if v["kind"] == K.FREE_WHILE_INDEXED.value}
+    named = named_slots()
     assert named and named <= set(freed)  # the evidence names the freed slots
