@@ -104,7 +104,7 @@ def test_real_entry_point_exit_codes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "config", "check", bad],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "sidecar.sample_every: must be >= 1 and <= 1000000000, got 0" in proc.stderr
+    assert "sidecar.sample_every: must be >= 1 and <= 100000000000, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr  # exit 0 through a subprocess: the lean case below
 
 
