@@ -673,3 +673,11 @@ OUTLOOK_SIGNALS: tuple[Signal, ...] = (
 )
 ALL_SIGNALS = (*ALL_SIGNALS, *OUTLOOK_SIGNALS)
 # --- end of the detection outlook block.
+
+# --- alert names code reacts to (the cache-bypass guard's webhook); alerts/ names its rules
+# with these, so a renamed alert cannot leave the guard matching a name no rule fires.
+ALERT_CONTENT_ANOMALY = "KVCacheContentAnomaly"
+ALERT_HIGH_HIT_RATE_WITH_ANOMALIES = "KVCacheHighHitRateWithAnomalies"
+ALERT_ANOMALY_LOCALISED = "KVCacheAnomalyLocalised"
+ALERT_ANOMALY_FLEET_WIDE = "KVCacheAnomalyFleetWide"
+# --- end of the alert names block.

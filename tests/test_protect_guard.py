@@ -82,6 +82,27 @@ def test_alertmanager_pages_match_this_instance_or_the_fleet_of_its_model() -> N
             pages_for(bad, "me:9400", "tiny")
 
 
+
+def test_a_localised_page_for_this_instance_opens_it() -> None:
+    # The shipped Alertmanager inhibits the per-replica pages under Localised: it is the
+    # only page a lone faulty replica sends, so it must open that replica's guard.
+    page = {"alerts": [{"status": "firing", "labels": {
+        "alertname": S.ALERT_ANOMALY_LOCALISED, "instance": "me:9400"}}]}
+    assert pages_for(page, "me:9400", "tiny") == [S.ALERT_ANOMALY_LOCALISED]
+    assert pages_for(page, "other:9400", "tiny") == []
+    from alerts.fleet import LOCALISED, PER_REPLICA_PAGES
+    assert LOCALISED == S.ALERT_ANOMALY_LOCALISED
+    assert S.ALERT_CONTENT_ANOMALY in PER_REPLICA_PAGES
+
+
+@pytest.mark.parametrize("labels", [{"alertname": ["KVCacheContentAnomaly"]},
+                                    {"alertname": "KVCacheContentAnomaly", "instance": 1},
+                                    {"alertname": {"a": 1}, "instance": "me:9400"}])
+def test_non_string_label_values_are_a_malformed_payload(labels: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="labels"):
+        pages_for({"alerts": [{"status": "firing", "labels": labels}]}, "me:9400", "tiny")
+
+
 # ---------------------------------------------------------------- the guard in front
 @contextlib.contextmanager
 def guarded(fake: FakeServer, **cfg: Any) -> Iterator[BypassGuard]:
@@ -199,9 +220,16 @@ def test_operator_and_webhook_need_the_token_and_a_page_for_this_instance_opens_
         assert _guard_post(guard, "/guard/alertmanager", other) == (
             200, {"opened": False, "alerts": []})
         assert _guard_post(guard, "/guard/alertmanager", "not a payload")[0] == 400
+        listed = {"alerts": [{"status": "firing",
+                              "labels": {"alertname": ["KVCacheContentAnomaly"]}}]}
+        assert _guard_post(guard, "/guard/alertmanager", listed)[0] == 400
+        localised = {"alerts": [{"status": "firing", "labels": {
+            "alertname": S.ALERT_ANOMALY_LOCALISED, "instance": "me:9400"}}]}
+        assert _guard_post(guard, "/guard/alertmanager", localised)[1]["opened"] is True
+        assert _guard_post(guard, "/guard/close")[1]["state"] == "closed"
         assert _guard_post(guard, "/guard/alertmanager", page)[0] == 200
         assert guard.breaker.state is State.OPEN
-        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="webhook") == 1
+        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="webhook") == 2
         assert _guard_post(guard, "/guard/close")[1]["state"] == "closed"
         with urllib.request.urlopen(urllib.request.Request(
                 guard.url + "/guard/status", headers={"Authorization": f"Bearer {TOKEN}"}),

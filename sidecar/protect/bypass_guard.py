@@ -15,8 +15,9 @@ What opens it (any of them):
 * a kv-sidecar's ``/status`` (``sidecar_status``): its ``anomalies`` counter rising opens
   it, its ``verified`` counter rising without anomalies are clean verdicts;
 * an **Alertmanager webhook** (``POST /guard/alertmanager``): a firing
-  ``KVCacheContentAnomaly`` or ``KVCacheHighHitRateWithAnomalies`` for this guard's
-  ``instance``, or a fleet-wide ``KVCacheAnomalyFleetWide`` for its ``model``;
+  ``KVCacheContentAnomaly``, ``KVCacheHighHitRateWithAnomalies`` or
+  ``KVCacheAnomalyLocalised`` for this guard's ``instance``, or a fleet-wide
+  ``KVCacheAnomalyFleetWide`` for its ``model``;
 * an **operator**: ``POST /guard/open``, ``/guard/half-open``, ``/guard/close``.
 
 ``/guard/*`` needs ``Authorization: Bearer <token>`` when a token is set (the sidecar's
@@ -50,8 +51,11 @@ from sidecar.protect.forward import (
 log = logging.getLogger(__name__)
 ENGINE = "guard"
 SALT_PREFIX = "kvsidecar-guard-"
-INSTANCE_PAGES = frozenset({"KVCacheContentAnomaly", "KVCacheHighHitRateWithAnomalies"})
-FLEET_PAGES = frozenset({"KVCacheAnomalyFleetWide"})
+# Per-replica pages, matched on `instance`. Localised is among them: the shipped
+# Alertmanager inhibits the other two under it, so a lone faulty replica pages only so.
+INSTANCE_PAGES = frozenset({S.ALERT_CONTENT_ANOMALY, S.ALERT_HIGH_HIT_RATE_WITH_ANOMALIES,
+                            S.ALERT_ANOMALY_LOCALISED})
+FLEET_PAGES = frozenset({S.ALERT_ANOMALY_FLEET_WIDE})
 STATUS_MAX_BYTES = 1 << 20
 _OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -94,6 +98,8 @@ def pages_for(payload: Any, instance: str, model: str) -> list[str]:
         labels = alert.get("labels")
         if not isinstance(labels, dict):
             continue
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise ValueError("alert labels must map strings to strings")
         name = labels.get("alertname")
         mine = (name in INSTANCE_PAGES and bool(instance)
                 and labels.get("instance") == instance)
