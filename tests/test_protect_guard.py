@@ -346,3 +346,20 @@ def test_config_check_knows_the_guard_section(tmp_path: Any,
     assert main(["config", "check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "guard.hold" in err and "guard.workers" in err
+
+
+@pytest.mark.parametrize("token", ["t\u00f6k\u00e9n\u2713", "x" * 100_000])
+def test_cli_refuses_a_token_no_client_could_send(
+        token: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVSIDECAR_TOKEN", token)
+    assert main(["guard", "--upstream", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv-sidecar guard: error: $KVSIDECAR_TOKEN") and err.count("\n") == 1
+
+
+def test_cli_names_the_guard_when_the_upstream_is_remote(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("KVSIDECAR_TOKEN", raising=False)
+    assert main(["guard", "--upstream", "http://192.0.2.1:8000"]) == 2
+    err = capsys.readouterr().err
+    assert "the guard forwards" in err and "canary" not in err and "--allow-remote" in err
