@@ -57,6 +57,45 @@ def test_breaker_opens_on_one_anomaly_probes_after_the_hold_and_closes_after_m()
         ("half_open", "closed", "probes")]
 
 
+
+def test_breaker_reopens_after_k_probes_without_a_verdict() -> None:
+    now = [0.0]
+    b = BypassBreaker(BreakerSettings(hold_s=1, probes=2, probe_every=1, probe_errors=3),
+                      clock=lambda: now[0])
+    b.probe_failed()  # closed: nothing to reopen
+    b.anomaly(Source.OPERATOR)
+    now[0] = 1.0
+    assert b.current() is State.HALF_OPEN
+    b.probe_failed()
+    b.clean(Source.LOCAL)
+    b.probe_failed()
+    assert b.state is State.HALF_OPEN
+    b.probe_failed()
+    assert b.state is State.OPEN and b.transitions[-1][2] is Source.PROBE_ERRORS
+    assert b.current() is State.OPEN  # a fresh hold
+    now[0] = 2.0
+    assert b.current() is State.HALF_OPEN
+
+
+@pytest.mark.parametrize("upstream", ["http_500", "no_logprobs"])
+def test_probes_the_upstream_fails_reopen_it_instead_of_half_open_for_ever(
+        upstream: str) -> None:
+    with FakeServer() as fake, guarded(fake, verify_every=0, breaker=BreakerSettings(
+            hold_s=3600, probes=2, probe_every=1, probe_errors=2)) as guard:
+        guard.breaker.force(State.HALF_OPEN)
+        if upstream == "http_500":
+            fake.fail_after = fake.requests
+        else:
+            fake.logprobs = False
+        for i in range(2):
+            with contextlib.suppress(urllib.error.HTTPError):
+                _complete(guard, _prompt(i))
+        assert guard.verifier is not None
+        guard.verifier.drain()
+        assert guard.breaker.state is State.OPEN
+        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="probe_errors") == 1
+
+
 @pytest.mark.parametrize("bad", [dict(hold_s=float("nan")), dict(hold_s=float("inf")),
                                  dict(hold_s=0), dict(probes=0), dict(probe_every=10**6)])
 def test_breaker_settings_are_finite_and_bounded(bad: dict[str, Any]) -> None:

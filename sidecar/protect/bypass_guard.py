@@ -161,6 +161,7 @@ class GuardApp(ForwardApp):
             and next(self._seen) % g.cfg.verify_every == 0)
         if verify:
             request.meta["verify"] = True  # replayed once answered
+            request.meta["probe"] = route is Route.PROBE
         if route is Route.BYPASSED:
             body = salted(request.body)
             if body is None:  # not JSON: the server answers 400 to it anyway
@@ -174,8 +175,11 @@ class GuardApp(ForwardApp):
     def answered(self, request: Request, forwarded: bytes, status: int) -> None:
         if not request.meta.get("verify"):
             return
-        if status == 200 and self.guard.verifier is not None:
-            self.guard.verifier.submit(request.path, forwarded)
+        g = self.guard
+        verified = status == 200 and g.verifier is not None and \
+            g.verifier.submit(request.path, forwarded)
+        if not verified and request.meta.get("probe"):
+            g.breaker.probe_failed()  # an error answer, or one that cannot be replayed
 
 
 class BypassGuard:
@@ -195,6 +199,8 @@ class BypassGuard:
             self.metrics.inc(S.GUARD_REQUESTS, 0, route=r.value)
         self.metrics.gauge(S.GUARD_BYPASS_SUPPORTED).set(int(bypass_supported))
         self.verifier = verifier_factory(self._on_verdict) if verifier_factory else None
+        if self.verifier is not None:
+            self.verifier.on_error = self.breaker.probe_failed
         self.server = ForwardServer(
             cfg.upstream, cfg.listen, cfg.limits, GuardApp(self), name="kvsidecar-guard",
             on_refused=lambda status: self.metrics.inc(S.PROXY_REFUSED, status=str(status)))
