@@ -597,7 +597,9 @@ GUARD_TRANSITIONS = _s("guard_transitions_total", C,
 GUARD_REQUESTS = _s("guard_requests_total", C,
                     "Requests through the guard, by route: forwarded (as sent), bypassed "
                     "(salted: a cache miss), probe (half-open, with the cache and verified), "
-                    "unprotected (open, but the server ignores cache_salt).", ("route",))
+                    "unprotected (open, not salted: the server ignores cache_salt, or a body "
+                    "that cannot be), refused (open, an unsaltable generation request).",
+                    ("route",))
 GUARD_BYPASS_SUPPORTED = _s("guard_bypass_supported", G,
                             "1 where the server honours cache_salt (the guard can bypass "
                             "its cache), 0 where it can only alert.")

@@ -40,7 +40,9 @@ class Route(enum.StrEnum):
     FORWARDED = "forwarded"  # closed: as sent
     BYPASSED = "bypassed"  # open, or half-open and not a probe: with a fresh cache_salt
     PROBE = "probe"  # half-open: with the cache, and verified
-    UNPROTECTED = "unprotected"  # open, but the server ignores cache_salt: forwarded as sent
+    UNPROTECTED = "unprotected"  # open, but not salted (the server ignores cache_salt, or a
+    # non-generation /v1/ route whose body is not a JSON object): forwarded as sent
+    REFUSED = "refused"  # open, a generation request the guard cannot salt: answered 4xx
 
 
 class Source(enum.StrEnum):
