@@ -44,10 +44,10 @@ FLEET_REPLICAS = _name("fleet", S.BUILD_INFO, "replicas")
 FLEET_REPLICAS_AFFECTED = _name("fleet_group_kind", S.ANOMALIES, "replicas10m")
 FLEET_REPLICAS_AFFECTED_RATIO = _name("fleet_group_kind", S.ANOMALIES, "replicas_ratio10m")
 
-LOCALISED = "KVCacheAnomalyLocalised"
-FLEET_WIDE = "KVCacheAnomalyFleetWide"
+LOCALISED = S.ALERT_ANOMALY_LOCALISED
+FLEET_WIDE = S.ALERT_ANOMALY_FLEET_WIDE
 # The per-replica pages each fleet page explains (and the example Alertmanager inhibits).
-PER_REPLICA_PAGES = ("KVCacheContentAnomaly", "KVCacheHighHitRateWithAnomalies")
+PER_REPLICA_PAGES = (S.ALERT_CONTENT_ANOMALY, S.ALERT_HIGH_HIT_RATE_WITH_ANOMALIES)
 
 
 def recording_rules(cfg: MixinConfig) -> list[Recording]:

@@ -231,12 +231,12 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
     ew = cfg.event_window
     stale = duration(t.verification_stale_seconds)
     return [
-        Alert("KVCacheContentAnomaly", f"{ANOMALIES_RECENT} > 0", "1m", PAGE,
+        Alert(S.ALERT_CONTENT_ANOMALY, f"{ANOMALIES_RECENT} > 0", "1m", PAGE,
               "KV cache hits are serving wrong KV ({{ $labels.kind }}).",
               f"{_COUNT} sampled KV block(s) of cache group {{{{ $labels.group }}}} failed "
               f"the {{{{ $labels.kind }}}} check in the last {ew} {_WHERE}. Every sampled "
               "anomaly stands for about sample_every unverified hits served the same way."),
-        Alert("KVCacheHighHitRateWithAnomalies",
+        Alert(S.ALERT_HIGH_HIT_RATE_WITH_ANOMALIES,
               f"{LOOKUP_HIT_RATIO} >= {t.hit_rate_low:g}\nand on ({by})\n"
               f"sum by ({by}) ({ANOMALIES_RECENT}) > 0", "1m", PAGE,
               "Hit rate looks healthy while the cache serves wrong KV.",

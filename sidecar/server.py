@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -49,6 +50,10 @@ MAX_WAITING = 1024  # connections held (their request not yet whole, or waiting 
 MAX_PER_PEER = 256  # of those, from one peer address
 CONNECTION_TIMEOUT_S = 5.0  # for a whole request, and for a whole response
 TOKEN_ENV = "KVSIDECAR_TOKEN"
+# A token is what a client can send in `Authorization: Bearer <token>`: RFC 6750's token68
+# characters, and short enough to fit in a request head (every server here caps heads).
+TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+MAX_TOKEN_CHARS = 1024
 PROTECTED = frozenset({"/status"})
 
 
@@ -56,7 +61,8 @@ def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV,
                environ: Mapping[str, str] | None = None) -> str | None:
     """The bearer token from ``path`` (first line) or the ``env`` variable; ``None`` (no
     auth) when neither is set. A set but empty or whitespace-only token is refused
-    (``ValueError``, one line): taken as "no token" it would silently turn auth off. The
+    (``ValueError``, one line): taken as "no token" it would silently turn auth off; so is
+    one no client could send (not RFC 6750 token68 characters, over ``MAX_TOKEN_CHARS``). The
     file must be a small regular UTF-8 file (:func:`sidecar.config_file.read_small_text`)."""
     from sidecar.config_file import MAX_TOKEN_BYTES, read_small_text
 
@@ -74,6 +80,12 @@ def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV,
                          f"by accident (unset it to turn auth off)")
     if not token.isprintable() or any(c.isspace() for c in token):
         raise ValueError(f"{where} holds whitespace or control characters inside the token")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(f"{where} is {len(token)} characters long: at most "
+                         f"{MAX_TOKEN_CHARS} fit in a request's Authorization header")
+    if not TOKEN68.fullmatch(token):
+        raise ValueError(f"{where} holds characters a client cannot send as a bearer token: "
+                         f"use only A-Z a-z 0-9 - . _ ~ + / (and trailing =), RFC 6750")
     return token
 
 

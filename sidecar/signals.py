@@ -597,7 +597,9 @@ GUARD_TRANSITIONS = _s("guard_transitions_total", C,
 GUARD_REQUESTS = _s("guard_requests_total", C,
                     "Requests through the guard, by route: forwarded (as sent), bypassed "
                     "(salted: a cache miss), probe (half-open, with the cache and verified), "
-                    "unprotected (open, but the server ignores cache_salt).", ("route",))
+                    "unprotected (open, not salted: the server ignores cache_salt, or a body "
+                    "that cannot be), refused (open, an unsaltable generation request).",
+                    ("route",))
 GUARD_BYPASS_SUPPORTED = _s("guard_bypass_supported", G,
                             "1 where the server honours cache_salt (the guard can bypass "
                             "its cache), 0 where it can only alert.")
@@ -673,3 +675,11 @@ OUTLOOK_SIGNALS: tuple[Signal, ...] = (
 )
 ALL_SIGNALS = (*ALL_SIGNALS, *OUTLOOK_SIGNALS)
 # --- end of the detection outlook block.
+
+# --- alert names code reacts to (the cache-bypass guard's webhook); alerts/ names its rules
+# with these, so a renamed alert cannot leave the guard matching a name no rule fires.
+ALERT_CONTENT_ANOMALY = "KVCacheContentAnomaly"
+ALERT_HIGH_HIT_RATE_WITH_ANOMALIES = "KVCacheHighHitRateWithAnomalies"
+ALERT_ANOMALY_LOCALISED = "KVCacheAnomalyLocalised"
+ALERT_ANOMALY_FLEET_WIDE = "KVCacheAnomalyFleetWide"
+# --- end of the alert names block.

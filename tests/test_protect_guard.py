@@ -57,6 +57,45 @@ def test_breaker_opens_on_one_anomaly_probes_after_the_hold_and_closes_after_m()
         ("half_open", "closed", "probes")]
 
 
+
+def test_breaker_reopens_after_k_probes_without_a_verdict() -> None:
+    now = [0.0]
+    b = BypassBreaker(BreakerSettings(hold_s=1, probes=2, probe_every=1, probe_errors=3),
+                      clock=lambda: now[0])
+    b.probe_failed()  # closed: nothing to reopen
+    b.anomaly(Source.OPERATOR)
+    now[0] = 1.0
+    assert b.current() is State.HALF_OPEN
+    b.probe_failed()
+    b.clean(Source.LOCAL)
+    b.probe_failed()
+    assert b.state is State.HALF_OPEN
+    b.probe_failed()
+    assert b.state is State.OPEN and b.transitions[-1][2] is Source.PROBE_ERRORS
+    assert b.current() is State.OPEN  # a fresh hold
+    now[0] = 2.0
+    assert b.current() is State.HALF_OPEN
+
+
+@pytest.mark.parametrize("upstream", ["http_500", "no_logprobs"])
+def test_probes_the_upstream_fails_reopen_it_instead_of_half_open_for_ever(
+        upstream: str) -> None:
+    with FakeServer() as fake, guarded(fake, verify_every=0, breaker=BreakerSettings(
+            hold_s=3600, probes=2, probe_every=1, probe_errors=2)) as guard:
+        guard.breaker.force(State.HALF_OPEN)
+        if upstream == "http_500":
+            fake.fail_after = fake.requests
+        else:
+            fake.logprobs = False
+        for i in range(2):
+            with contextlib.suppress(urllib.error.HTTPError):
+                _complete(guard, _prompt(i))
+        assert guard.verifier is not None
+        guard.verifier.drain()
+        assert guard.breaker.state is State.OPEN
+        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="probe_errors") == 1
+
+
 @pytest.mark.parametrize("bad", [dict(hold_s=float("nan")), dict(hold_s=float("inf")),
                                  dict(hold_s=0), dict(probes=0), dict(probe_every=10**6)])
 def test_breaker_settings_are_finite_and_bounded(bad: dict[str, Any]) -> None:
@@ -80,6 +119,27 @@ def test_alertmanager_pages_match_this_instance_or_the_fleet_of_its_model() -> N
     for bad in ([], {"alerts": "x"}, "x", None):
         with pytest.raises(ValueError):
             pages_for(bad, "me:9400", "tiny")
+
+
+
+def test_a_localised_page_for_this_instance_opens_it() -> None:
+    # The shipped Alertmanager inhibits the per-replica pages under Localised: it is the
+    # only page a lone faulty replica sends, so it must open that replica's guard.
+    page = {"alerts": [{"status": "firing", "labels": {
+        "alertname": S.ALERT_ANOMALY_LOCALISED, "instance": "me:9400"}}]}
+    assert pages_for(page, "me:9400", "tiny") == [S.ALERT_ANOMALY_LOCALISED]
+    assert pages_for(page, "other:9400", "tiny") == []
+    from alerts.fleet import LOCALISED, PER_REPLICA_PAGES
+    assert LOCALISED == S.ALERT_ANOMALY_LOCALISED
+    assert S.ALERT_CONTENT_ANOMALY in PER_REPLICA_PAGES
+
+
+@pytest.mark.parametrize("labels", [{"alertname": ["KVCacheContentAnomaly"]},
+                                    {"alertname": "KVCacheContentAnomaly", "instance": 1},
+                                    {"alertname": {"a": 1}, "instance": "me:9400"}])
+def test_non_string_label_values_are_a_malformed_payload(labels: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="labels"):
+        pages_for({"alerts": [{"status": "firing", "labels": labels}]}, "me:9400", "tiny")
 
 
 # ---------------------------------------------------------------- the guard in front
@@ -199,9 +259,16 @@ def test_operator_and_webhook_need_the_token_and_a_page_for_this_instance_opens_
         assert _guard_post(guard, "/guard/alertmanager", other) == (
             200, {"opened": False, "alerts": []})
         assert _guard_post(guard, "/guard/alertmanager", "not a payload")[0] == 400
+        listed = {"alerts": [{"status": "firing",
+                              "labels": {"alertname": ["KVCacheContentAnomaly"]}}]}
+        assert _guard_post(guard, "/guard/alertmanager", listed)[0] == 400
+        localised = {"alerts": [{"status": "firing", "labels": {
+            "alertname": S.ALERT_ANOMALY_LOCALISED, "instance": "me:9400"}}]}
+        assert _guard_post(guard, "/guard/alertmanager", localised)[1]["opened"] is True
+        assert _guard_post(guard, "/guard/close")[1]["state"] == "closed"
         assert _guard_post(guard, "/guard/alertmanager", page)[0] == 200
         assert guard.breaker.state is State.OPEN
-        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="webhook") == 1
+        assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="webhook") == 2
         assert _guard_post(guard, "/guard/close")[1]["state"] == "closed"
         with urllib.request.urlopen(urllib.request.Request(
                 guard.url + "/guard/status", headers={"Authorization": f"Bearer {TOKEN}"}),
@@ -318,3 +385,20 @@ def test_config_check_knows_the_guard_section(tmp_path: Any,
     assert main(["config", "check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "guard.hold" in err and "guard.workers" in err
+
+
+@pytest.mark.parametrize("token", ["t\u00f6k\u00e9n\u2713", "x" * 100_000])
+def test_cli_refuses_a_token_no_client_could_send(
+        token: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVSIDECAR_TOKEN", token)
+    assert main(["guard", "--upstream", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv-sidecar guard: error: $KVSIDECAR_TOKEN") and err.count("\n") == 1
+
+
+def test_cli_names_the_guard_when_the_upstream_is_remote(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("KVSIDECAR_TOKEN", raising=False)
+    assert main(["guard", "--upstream", "http://192.0.2.1:8000"]) == 2
+    err = capsys.readouterr().err
+    assert "the guard forwards" in err and "canary" not in err and "--allow-remote" in err

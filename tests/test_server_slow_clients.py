@@ -220,3 +220,16 @@ def test_a_blank_token_is_an_error_not_auth_off(tmp_path, value) -> None:
     assert load_token(environ={}) is None  # unset: auth off, as documented
     with pytest.raises(ValueError, match="not a regular file"):
         load_token("/dev/zero")
+
+
+@pytest.mark.parametrize("value, match", [("t\u00f6k\u00e9n\u2713", "cannot send"),
+                                          ("a,b", "cannot send"), ("x" * 100_000, "long")])
+def test_a_token_no_client_can_send_is_refused_at_start(tmp_path, value, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_token(environ={"KVSIDECAR_TOKEN": value})
+    path = tmp_path / "token"
+    path.write_text(value[:4000])
+    with pytest.raises(ValueError, match=match if len(value) < 4000 else "long"):
+        load_token(path)
+    token = "A-z0.9_~+/" + "x" * 1000 + "=="
+    assert load_token(environ={"KVSIDECAR_TOKEN": token}) == token

@@ -51,7 +51,8 @@ def is_loopback(host: str) -> bool:
     return bool(addrs) and all(ipaddress.ip_address(str(a)).is_loopback for a in addrs)
 
 
-def parse_endpoint(url: str, allow_remote: bool = False) -> Endpoint:
+def parse_endpoint(url: str, allow_remote: bool = False,
+                   why: str = "the canary sends probe traffic") -> Endpoint:
     """Parse ``http://host:port/v1``; a clear :class:`CanaryError` for anything else."""
     try:
         parts = urlsplit(url)
@@ -64,8 +65,8 @@ def parse_endpoint(url: str, allow_remote: bool = False) -> Endpoint:
         raise CanaryError(f"bad endpoint {url!r}: no query or fragment expected")
     host = parts.hostname
     if not allow_remote and not is_loopback(host):
-        raise CanaryError(f"endpoint {url!r} is not a loopback address; the canary sends "
-                          "probe traffic, so pass --allow-remote to point it elsewhere")
+        raise CanaryError(f"endpoint {url!r} is not a loopback address; {why}, so pass "
+                          "--allow-remote to point it elsewhere")
     path = parts.path.rstrip("/") or "/v1"
     return Endpoint(parts.scheme, host, port or (443 if parts.scheme == "https" else 80),
                     path)

@@ -80,6 +80,7 @@ class ReplayVerifier:
         self.max_tokens = max_tokens
         self.logprobs = logprobs
         self.on_verdict = on_verdict
+        self.on_error: Callable[[], None] | None = None  # a replay that got no verdict
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self.stats: dict[str, float] = {"forwarded": 0, "replayed": 0, "anomalies": 0,
                                          "dropped": 0, "errors": 0, "max_divergence": 0.0}
@@ -106,6 +107,13 @@ class ReplayVerifier:
             done.set()
         threading.Thread(target=wait, daemon=True).start()
         done.wait(timeout_s)
+
+    def _failed(self) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error()
+            except Exception:  # told, never taken down by the listener
+                log.exception("canary replay: on_error failed")
 
     def _count(self, key: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -138,6 +146,7 @@ class ReplayVerifier:
             except Exception:  # a replay must never take the proxy down
                 log.exception("canary replay failed")
                 self._count("errors")
+                self._failed()
             finally:
                 self._queue.task_done()
 
@@ -150,6 +159,7 @@ class ReplayVerifier:
         except RequestFailed as exc:
             self.exporter.error(exc.reason)
             self._count("errors")
+            self._failed()
             return
         self.exporter.request("replay", hit)
         self.exporter.request("reference", ref)

@@ -6,7 +6,9 @@
   verdict, a page, an operator) opens it from any state and restarts its hold;
 * **half-open**: ``hold_s`` after the last anomaly, 1 request in ``probe_every`` goes with
   the cache again (a probe) and the rest stay bypassed; ``probes`` clean verdicts in a row
-  close it, an anomalous one opens it again.
+  close it, an anomalous one opens it again, and so do ``probe_errors`` probes that got no
+  verdict (the server answered an error, or an answer the verifier could not compare):
+  an upstream that fails every probe must not keep users on the cache for ever.
 
 Unlike :class:`sidecar.actions.CircuitBreaker` (K anomalies within a window, inside an
 engine the sidecar drives), this one opens on the first anomaly: in front of a black-box
@@ -38,7 +40,9 @@ class Route(enum.StrEnum):
     FORWARDED = "forwarded"  # closed: as sent
     BYPASSED = "bypassed"  # open, or half-open and not a probe: with a fresh cache_salt
     PROBE = "probe"  # half-open: with the cache, and verified
-    UNPROTECTED = "unprotected"  # open, but the server ignores cache_salt: forwarded as sent
+    UNPROTECTED = "unprotected"  # open, but not salted (the server ignores cache_salt, or a
+    # non-generation /v1/ route whose body is not a JSON object): forwarded as sent
+    REFUSED = "refused"  # open, a generation request the guard cannot salt: answered 4xx
 
 
 class Source(enum.StrEnum):
@@ -50,6 +54,7 @@ class Source(enum.StrEnum):
     OPERATOR = "operator"  # an authenticated POST
     TIMER = "timer"  # the hold ran out: half-open
     PROBES = "probes"  # M clean probe verdicts: closed
+    PROBE_ERRORS = "probe_errors"  # K probes without a verdict while half-open: open again
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,14 @@ class BreakerSettings:
     hold_s: float = 60.0
     probes: int = 5
     probe_every: int = 4
+    probe_errors: int = 3
 
     def __post_init__(self) -> None:
         if not (0 < self.hold_s <= 86400):
             raise ValueError(f"hold_s must be in (0, 86400], got {self.hold_s!r}")
-        if not (1 <= self.probes <= 10_000 and 1 <= self.probe_every <= 10_000):
-            raise ValueError("probes and probe_every must be in 1..10000")
+        if not (1 <= self.probes <= 10_000 and 1 <= self.probe_every <= 10_000
+                and 1 <= self.probe_errors <= 10_000):
+            raise ValueError("probes, probe_every and probe_errors must be in 1..10000")
 
 
 Listener = Callable[[State, State, Source], None]
@@ -82,6 +89,7 @@ class BypassBreaker:
         self.state = State.CLOSED
         self._opened_at = 0.0
         self._clean = 0
+        self._errors = 0
         self._seen = itertools.count()
         self.transitions: list[tuple[State, State, Source]] = []
 
@@ -96,6 +104,7 @@ class BypassBreaker:
             return
         self.state = to
         self._clean = 0
+        self._errors = 0
         self.transitions.append((was, to, source))
         del self.transitions[:-64]
         log.warning("guard breaker %s -> %s (%s)", was, to, source)
@@ -138,6 +147,18 @@ class BypassBreaker:
             self._clean += n
             if self._clean >= self.settings.probes:
                 self._move(State.CLOSED, Source.PROBES)
+
+    def probe_failed(self) -> None:
+        """A probe got no verdict; ``probe_errors`` of them while half-open open it again
+        (counted only while half-open: they stand in for the verdicts that close it)."""
+        with self._lock:
+            self._tick()
+            if self.state is not State.HALF_OPEN:
+                return
+            self._errors += 1
+            if self._errors >= self.settings.probe_errors:
+                self._opened_at = self._clock()
+                self._move(State.OPEN, Source.PROBE_ERRORS)
 
     def force(self, to: State) -> None:
         """An operator's decision: open (as an anomaly), half-open (probe now) or closed."""

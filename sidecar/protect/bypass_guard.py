@@ -2,7 +2,7 @@
 stops users being served from a cache known to be wrong.
 
 Closed, it forwards every request byte for byte. Open, it adds a fresh ``cache_salt`` to
-the JSON body of every ``/v1/completions`` and ``/v1/chat/completions`` request: vLLM keys
+the JSON body of every POST under ``/v1/`` (:data:`GENERATION_ROUTES`): vLLM keys
 a request's first block on its salt, so no cached block can match and the engine serves a
 miss (slower, never wrong because of the cache). Half-open, a few probes go with the cache
 and their verdicts decide (:mod:`sidecar.protect.breaker`).
@@ -15,8 +15,9 @@ What opens it (any of them):
 * a kv-sidecar's ``/status`` (``sidecar_status``): its ``anomalies`` counter rising opens
   it, its ``verified`` counter rising without anomalies are clean verdicts;
 * an **Alertmanager webhook** (``POST /guard/alertmanager``): a firing
-  ``KVCacheContentAnomaly`` or ``KVCacheHighHitRateWithAnomalies`` for this guard's
-  ``instance``, or a fleet-wide ``KVCacheAnomalyFleetWide`` for its ``model``;
+  ``KVCacheContentAnomaly``, ``KVCacheHighHitRateWithAnomalies`` or
+  ``KVCacheAnomalyLocalised`` for this guard's ``instance``, or a fleet-wide
+  ``KVCacheAnomalyFleetWide`` for its ``model``;
 * an **operator**: ``POST /guard/open``, ``/guard/half-open``, ``/guard/close``.
 
 ``/guard/*`` needs ``Authorization: Bearer <token>`` when a token is set (the sidecar's
@@ -46,14 +47,23 @@ from sidecar.protect.forward import (
     Request,
     error,
 )
+from sidecar.protect.wire import normal_path
 
 log = logging.getLogger(__name__)
 ENGINE = "guard"
 SALT_PREFIX = "kvsidecar-guard-"
-INSTANCE_PAGES = frozenset({"KVCacheContentAnomaly", "KVCacheHighHitRateWithAnomalies"})
-FLEET_PAGES = frozenset({"KVCacheAnomalyFleetWide"})
+# Per-replica pages, matched on `instance`. Localised is among them: the shipped
+# Alertmanager inhibits the other two under it, so a lone faulty replica pages only so.
+INSTANCE_PAGES = frozenset({S.ALERT_CONTENT_ANOMALY, S.ALERT_HIGH_HIT_RATE_WITH_ANOMALIES,
+                            S.ALERT_ANOMALY_LOCALISED})
+FLEET_PAGES = frozenset({S.ALERT_ANOMALY_FLEET_WIDE})
 STATUS_MAX_BYTES = 1 << 20
-_OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Generation routes: while bypassing, a body the guard cannot salt here is refused. Every
+# other POST under /v1/ is salted too when its body is a JSON object (vLLM reads cache_salt
+# on its pooling and Anthropic routes as well), else forwarded and counted unprotected.
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                               "/v1/messages"})
+REPLAYED_ROUTES = ("/v1/completions", "/v1/chat/completions")  # what the verifier replays
 
 
 @dataclass
@@ -94,6 +104,8 @@ def pages_for(payload: Any, instance: str, model: str) -> list[str]:
         labels = alert.get("labels")
         if not isinstance(labels, dict):
             continue
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise ValueError("alert labels must map strings to strings")
         name = labels.get("alertname")
         mine = (name in INSTANCE_PAGES and bool(instance)
                 and labels.get("instance") == instance)
@@ -112,7 +124,7 @@ class GuardApp(ForwardApp):
 
     def local(self, request: Request) -> Reply | None:
         if not request.route.startswith("/guard/"):
-            return None
+            return self._decide(request)
         g = self.guard
         if g.cfg.token is not None:
             given = (request.header("Authorization") or "").removeprefix("Bearer ").strip()
@@ -142,34 +154,60 @@ class GuardApp(ForwardApp):
                          "application/json")
         return error(404, "unknown guard path")
 
-    def rewrite(self, request: Request) -> bytes:
-        if request.method != "POST" or request.route not in _OPENAI_ROUTES:
-            return request.body
+    def _decide(self, request: Request) -> Reply | None:
+        """Route one forwarded request; a Reply refuses it (a body the guard must salt and
+        cannot). Decided on the path the server will route, which is the one forwarded;
+        matched without case, so no spelling of a salted route passes unsalted."""
+        if request.method != "POST":
+            return None
+        path = normal_path(request.path)
+        if not path.lower().startswith("/v1/"):
+            return None
+        query = request.path.partition("?")[2]
+        request.path = path + ("?" + query if query else "")
+        generation = path.lower() in GENERATION_ROUTES
         g = self.guard
         route = g.breaker.route()
         if route is not Route.FORWARDED and not g.bypass_supported:
             g.count(Route.UNPROTECTED if route is Route.BYPASSED else route)
-            return request.body
-        verify = route is Route.PROBE or (
+            return None
+        verify = path in REPLAYED_ROUTES and (route is Route.PROBE or (
             route is Route.FORWARDED and g.cfg.verify_every > 0
-            and next(self._seen) % g.cfg.verify_every == 0)
+            and next(self._seen) % g.cfg.verify_every == 0))
         if verify:
             request.meta["verify"] = True  # replayed once answered
-        if route is Route.BYPASSED:
-            body = salted(request.body)
-            if body is None:  # not JSON: the server answers 400 to it anyway
-                g.count(Route.FORWARDED)
-                return request.body
-            g.count(Route.BYPASSED)
-            return body
-        g.count(route)
-        return request.body
+            request.meta["probe"] = route is Route.PROBE
+        if route is not Route.BYPASSED:
+            g.count(route)
+            return None
+        encoding = (request.header("Content-Encoding") or "identity").strip().lower()
+        body = salted(request.body) if encoding == "identity" else None
+        if body is None:
+            if generation:
+                g.count(Route.REFUSED)
+                why = (f"Content-Encoding {encoding}" if encoding != "identity"
+                       else "a body that is not a JSON object")
+                return error(415 if encoding != "identity" else 400,
+                             f"the cache-bypass guard is open and cannot add a cache_salt "
+                             f"to {why}: send an uncompressed JSON object")
+            g.count(Route.UNPROTECTED)
+            return None
+        request.meta["body"] = body
+        g.count(Route.BYPASSED)
+        return None
+
+    def rewrite(self, request: Request) -> bytes:
+        body = request.meta.get("body")
+        return body if isinstance(body, bytes) else request.body
 
     def answered(self, request: Request, forwarded: bytes, status: int) -> None:
         if not request.meta.get("verify"):
             return
-        if status == 200 and self.guard.verifier is not None:
-            self.guard.verifier.submit(request.path, forwarded)
+        g = self.guard
+        verified = status == 200 and g.verifier is not None and \
+            g.verifier.submit(request.path, forwarded)
+        if not verified and request.meta.get("probe"):
+            g.breaker.probe_failed()  # an error answer, or one that cannot be replayed
 
 
 class BypassGuard:
@@ -189,6 +227,8 @@ class BypassGuard:
             self.metrics.inc(S.GUARD_REQUESTS, 0, route=r.value)
         self.metrics.gauge(S.GUARD_BYPASS_SUPPORTED).set(int(bypass_supported))
         self.verifier = verifier_factory(self._on_verdict) if verifier_factory else None
+        if self.verifier is not None:
+            self.verifier.on_error = self.breaker.probe_failed
         self.server = ForwardServer(
             cfg.upstream, cfg.listen, cfg.limits, GuardApp(self), name="kvsidecar-guard",
             on_refused=lambda status: self.metrics.inc(S.PROXY_REFUSED, status=str(status)))

@@ -123,8 +123,9 @@ def _run(args: argparse.Namespace) -> int:
     from sidecar.protect.forward import ForwardLimits
     from sidecar.server import SidecarServer, load_token
 
-    endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote)
     token = load_token(args.token_file)
+    endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote,
+                              "the guard forwards users' traffic to it and replays probes")
     if token is None and not is_loopback(args.listen[0]):
         raise CanaryError(f"--listen {args.listen[0]} is not a loopback address: set a "
                           "token (--token-file or KVSIDECAR_TOKEN) for /guard/*")

@@ -5,6 +5,7 @@ absolute-form targets)."""
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -75,6 +76,24 @@ class Reply:
                 f"Content-Type: {self.content_type}", f"Content-Length: {len(self.body)}",
                 "Connection: close", *(f"{k}: {v}" for k, v in self.headers)]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
+
+
+def normal_path(target: str) -> str:
+    """The path a server routes ``target`` to: absolute form reduced to its path, query
+    dropped, %-escapes decoded, ``//`` collapsed, ``.``/``..`` resolved, no trailing slash.
+    A proxy that decides on the raw target can be walked round (``/v1//completions``,
+    ``/v1/../v1/completions``, ``/v1/completions/``) by paths the server treats alike."""
+    if "://" in target.split("?", 1)[0]:
+        target = urllib.parse.urlsplit(target).path or "/"
+    path = urllib.parse.unquote(target.split("?", 1)[0])
+    parts: list[str] = []
+    for seg in path.split("/"):
+        if seg == "..":
+            if parts:
+                parts.pop()
+        elif seg not in ("", "."):
+            parts.append(seg)
+    return "/" + "/".join(parts)
 
 
 def error(status: int, message: str) -> Reply:

@@ -1,0 +1,122 @@
+"""The guard salts every spelling of a salted route while open, and never forwards a
+generation request it cannot salt as if it had (the outside tester's bypasses)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from sidecar import signals as S
+from sidecar.protect.breaker import State
+from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig
+from sidecar.protect.wire import normal_path
+
+
+@contextlib.contextmanager
+def recording_upstream() -> Iterator[tuple[int, list[tuple[str, bytes]]]]:
+    """An upstream that records (path, body) of every POST and answers 200 {}."""
+    seen: list[tuple[str, bytes]] = []
+
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield int(httpd.server_address[1]), seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _post(guard: BypassGuard, target: str, body: bytes, *extra: str) -> int:
+    """A raw POST (urllib would normalise the target); the status answered."""
+    host, port = guard.server.address
+    head = [f"POST {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}",
+            "Content-Type: application/json", *extra]
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return int(answer[9:12])
+
+
+@contextlib.contextmanager
+def open_guard() -> Iterator[tuple[BypassGuard, list[tuple[str, bytes]]]]:
+    with recording_upstream() as (port, seen):
+        guard = BypassGuard(GuardConfig(upstream=("127.0.0.1", port), model="m",
+                                        verify_every=0)).start()
+        try:
+            guard.breaker.force(State.OPEN)
+            yield guard, seen
+        finally:
+            guard.stop()
+
+
+def _count(guard: BypassGuard, route: str) -> float:
+    return guard.metrics.value(S.GUARD_REQUESTS.name, route=route)
+
+
+@pytest.mark.parametrize("target, route", [
+    ("/v1/completions", "/v1/completions"), ("/v1/completions/", "/v1/completions"),
+    ("/v1//completions", "/v1/completions"), ("/v1/../v1/completions", "/v1/completions"),
+    ("/v1/./chat//completions?x=1", "/v1/chat/completions?x=1"),
+    ("/v1/%63ompletions", "/v1/completions"), ("/V1/completions", "/V1/completions"),
+    ("/v1/responses", "/v1/responses"), ("/v1/messages", "/v1/messages"),
+    ("/v1/embeddings", "/v1/embeddings")])
+def test_every_spelling_of_a_v1_post_is_salted_while_open(target: str, route: str) -> None:
+    with open_guard() as (guard, seen):
+        assert _post(guard, target, b'{"prompt": "hi"}') == 200
+        (path, body), = seen
+        assert path == route  # the path decided on is the one forwarded
+        assert json.loads(body)["cache_salt"].startswith(SALT_PREFIX)
+        assert _count(guard, "bypassed") == 1 and _count(guard, "forwarded") == 0
+
+
+@pytest.mark.parametrize("body, extra, status", [
+    (gzip.compress(b'{"prompt": "hi"}'), ("Content-Encoding: gzip",), 415),
+    (b"not json", (), 400), (b'["a list"]', (), 400)])
+def test_a_generation_request_it_cannot_salt_is_refused_while_open(
+        body: bytes, extra: tuple[str, ...], status: int) -> None:
+    with open_guard() as (guard, seen):
+        assert _post(guard, "/v1/responses/", body, *extra) == status
+        assert seen == []
+        assert _count(guard, "refused") == 1 and _count(guard, "forwarded") == 0
+
+
+def test_an_unsaltable_non_generation_post_is_counted_unprotected() -> None:
+    with open_guard() as (guard, seen):
+        assert _post(guard, "/v1/responses/r1/cancel", b"") == 200
+        assert len(seen) == 1 and seen[0][1] == b""
+        assert _count(guard, "unprotected") == 1 and _count(guard, "forwarded") == 0
+
+
+def test_closed_forwards_as_sent() -> None:
+    with open_guard() as (guard, seen):
+        guard.breaker.force(State.CLOSED)
+        assert _post(guard, "/v1/completions", b'{"prompt": "hi"}') == 200
+        assert seen == [("/v1/completions", b'{"prompt": "hi"}')]
+        assert _count(guard, "forwarded") == 1
+
+
+def test_normal_path() -> None:
+    assert normal_path("/a/b/../../../c/") == "/c"
+    assert normal_path("http://h:1/v1//x?q") == "/v1/x"
+    assert normal_path("/") == "/"
