@@ -238,3 +238,37 @@ def test_guard_command_line_parses_with_the_real_cli() -> None:
                     "brief's `--upstream URL --listen HOST:PORT`")
     guard = _container(pod_spec(kustomize("overlays/guard"), "guard"), "guard")
     parser.parse_args([*guard["command"][1:], *guard["args"]])
+
+
+def _images(objects: list[dict[str, Any]]) -> dict[str, str]:
+    out = {}
+    for obj in objects:
+        if obj["kind"] != "Deployment":
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            out[f"{obj['metadata']['name']}/{c['name']}"] = c["image"]
+    return out
+
+
+def _tag(image: str) -> str:
+    """The tag of ``image`` ('' for none); a digest counts as pinned."""
+    if "@" in image:
+        return "@digest"
+    name = image.rsplit("/", 1)[-1]
+    return name.split(":", 1)[1] if ":" in name else ""
+
+
+@pytest.mark.parametrize("path", ["base", "overlays/sglang", "overlays/guard"])
+def test_every_rendered_image_has_an_explicit_tag(path: str) -> None:
+    """Base's images: transformer does not reach objects an overlay adds: an untagged image
+    is :latest with imagePullPolicy Always, a different build on every restart."""
+    images = _images(kustomize(path))
+    assert images
+    untagged = {where: i for where, i in images.items() if _tag(i) in ("", "latest")}
+    assert untagged == {}
+
+
+def test_the_tag_check_catches_an_untagged_image() -> None:
+    assert _tag("kv-sidecar") == "" and _tag("reg:5000/kv-sidecar") == ""
+    assert _tag("kv-sidecar:latest") == "latest" and _tag("reg:5000/a/b:0.1.0") == "0.1.0"
