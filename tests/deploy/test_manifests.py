@@ -4,6 +4,7 @@ is wired as the README says; and a misspelt field fails validation."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import shlex
 import shutil
@@ -223,9 +224,11 @@ def test_probe_install_copies_an_importable_probe(tmp_path: Path) -> None:
     assert not (dest / "sidecar" / "stale_module.py").exists()
 
 
-def test_guard_command_line_parses_with_the_real_cli() -> None:
+def test_guard_command_line_parses_with_the_real_cli(tmp_path: Path) -> None:
     """The guard overlay's flags against ``kv-sidecar guard`` itself, once the CLI has it
-    (issue 25 adds the command; until then this says so and skips)."""
+    (issue 25 adds the command; until then this says so and skips); then the guard's own
+    start-up checks (upstream, token) pass on them, with the token file the pod mounts
+    from the rendered Secret."""
     import argparse
 
     from sidecar.cli import build_parser
@@ -236,8 +239,36 @@ def test_guard_command_line_parses_with_the_real_cli() -> None:
     if "guard" not in commands:
         pytest.skip("`kv-sidecar guard` is not in this tree yet: the overlay's flags are the "
                     "brief's `--upstream URL --listen HOST:PORT`")
-    guard = _container(pod_spec(kustomize("overlays/guard"), "guard"), "guard")
-    parser.parse_args([*guard["command"][1:], *guard["args"]])
+    objects = kustomize("overlays/guard")
+    spec = pod_spec(objects, "guard")
+    guard = _container(spec, "guard")
+    args = parser.parse_args([*guard["command"][1:], *guard["args"]])
+    from sidecar.protect.cli import preflight
+
+    # The token file: the mounted Secret's key, written where the test can read it.
+    mount = next(m for m in guard["volumeMounts"] if m["name"] == "guard-secret")
+    volume = next(v for v in spec["volumes"] if v["name"] == "guard-secret")
+    secret = next(o for o in objects if o["kind"] == "Secret"
+                  and o["metadata"]["name"] == volume["secret"]["secretName"])
+    assert args.token_file.startswith(mount["mountPath"] + "/")
+    key = args.token_file[len(mount["mountPath"]) + 1:]
+    token = base64.b64decode(secret["data"][key]).decode()
+    (tmp_path / key).write_text(token)
+    args.token_file = str(tmp_path / key)
+    endpoint, loaded = preflight(args)
+    assert loaded == token and endpoint.host == "engine"
+    # Without --allow-remote or without the token the guard would refuse to start.
+    with pytest.raises(Exception, match=r"allow-remote|loopback|remote"):
+        preflight(argparse.Namespace(**{**vars(args), "allow_remote": False}))
+    with pytest.raises(Exception, match="token"):
+        preflight(argparse.Namespace(**{**vars(args), "token_file": None}))
+
+
+def test_guard_secret_is_a_placeholder_the_readme_says_to_replace() -> None:
+    text = (KUBE / "overlays" / "guard" / "guard-secret.env").read_text()
+    assert "REPLACE-ME" in text
+    readme = (KUBE.parent.parent / "README.md").read_text()
+    assert "guard-secret.env" in readme
 
 
 def _images(objects: list[dict[str, Any]]) -> dict[str, str]:
