@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -303,3 +304,66 @@ def test_every_rendered_image_has_an_explicit_tag(path: str) -> None:
 def test_the_tag_check_catches_an_untagged_image() -> None:
     assert _tag("kv-sidecar") == "" and _tag("reg:5000/kv-sidecar") == ""
     assert _tag("kv-sidecar:latest") == "latest" and _tag("reg:5000/a/b:0.1.0") == "0.1.0"
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_guard_overlay_wiring_one_breaker_follows_the_engine_and_is_paged() -> None:
+    """One replica (a breaker is per process); the guard follows the engine pod's sidecar
+    /status through a Service that selects that pod's metrics port; its /metrics is on a
+    port the PodMonitor scrapes; page alerts reach its webhook with its own token."""
+    from sidecar.cli import build_parser
+
+    objects = kustomize("overlays/guard")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    assert deployments["guard"]["spec"]["replicas"] == 1
+    guard = _container(pod_spec(objects, "guard"), "guard")
+    args = build_parser().parse_args([*guard["command"][1:], *guard["args"]])
+    engine_spec = pod_spec(objects)
+    engine_labels = deployments["engine"]["spec"]["template"]["metadata"]["labels"]
+    sidecar = _container(engine_spec, "kv-sidecar")
+    assert args.model == _flags(_container(engine_spec, "engine")["args"])["served-model-name"]
+    # --sidecar-status: a Service in front of the engine pod's sidecar metrics port.
+    url = urlsplit(args.sidecar_status)
+    assert url.path == "/status"
+    svc = services[url.hostname]["spec"]
+    assert _selects(svc["selector"], engine_labels)
+    port = next(p for p in svc["ports"] if p["port"] == url.port)
+    assert port["targetPort"] == "metrics"
+    assert {"name": "metrics", "containerPort": int(_flags(sidecar["args"])["port"])} in \
+        sidecar["ports"]
+    # The guard's /metrics: on the pod's address, a port named metrics the PodMonitor scrapes.
+    assert args.metrics_host == "0.0.0.0"
+    assert {"name": "metrics", "containerPort": args.metrics_port} in guard["ports"]
+    monitor = next(o for o in kustomize("monitoring") if o["kind"] == "PodMonitor")
+    guard_labels = deployments["guard"]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], guard_labels)
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # Pages to the guard's webhook, authorised with the token the guard reads.
+    amc = next(o for o in objects if o["kind"] == "AlertmanagerConfig")
+    assert {"name": "severity", "matchType": "=", "value": "page"} in \
+        amc["spec"]["route"]["matchers"]
+    receiver = next(r for r in amc["spec"]["receivers"]
+                    if r["name"] == amc["spec"]["route"]["receiver"])
+    hook = receiver["webhookConfigs"][0]
+    secret = next(o for o in objects if o["kind"] == "Secret"
+                  and o["metadata"]["name"] == hook["urlSecret"]["name"])
+    target = urlsplit(base64.b64decode(secret["data"][hook["urlSecret"]["key"]]).decode())
+    assert target.path == "/guard/alertmanager"
+    assert target.hostname is not None and target.hostname.split(".")[0] == "guard"
+    assert target.port == services["guard"]["spec"]["ports"][0]["port"]
+    credentials = hook["httpConfig"]["authorization"]["credentials"]
+    assert credentials["name"] == secret["metadata"]["name"]
+    assert args.token_file.endswith("/" + credentials["key"])
+
+
+def test_a_misspelt_webhook_credentials_field_fails_its_schema(tmp_path: Path) -> None:
+    obj = copy.deepcopy(next(o for o in kustomize("overlays/guard")
+                             if o["kind"] == "AlertmanagerConfig"))
+    auth = obj["spec"]["receivers"][0]["webhookConfigs"][0]["httpConfig"]["authorization"]
+    auth["credential"] = auth.pop("credentials")
+    failures = check_jsonschema([obj], tmp_path)
+    assert list(failures) == ["AlertmanagerConfig/kv-sidecar-guard"]
