@@ -17,11 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deploy import mixin, monitoring
+from deploy import guard_alerts, mixin, monitoring
 from deploy.yamlio import dump, header
 
 REPO = Path(__file__).resolve().parent.parent
 MONITORING = REPO / "deploy" / "kubernetes" / "monitoring"
+GUARD = REPO / "deploy" / "kubernetes" / "overlays" / "guard"
 MIXIN = REPO / "mixin"
 COMMAND = "python -m deploy.generate"
 
@@ -37,6 +38,8 @@ def outputs() -> dict[Path, str]:
     """Every generated file and its content."""
     out = {MONITORING / name: header(COMMAND) + dump(build())
            for name, build in _RESOURCES.items()}
+    out[GUARD / "alertmanagerconfig.yaml"] = (
+        header(COMMAND) + dump(guard_alerts.guard_alertmanager_config()))
     out.update({MIXIN / rel: text for rel, text in mixin.files().items()})
     return out
 

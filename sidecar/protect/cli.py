@@ -61,7 +61,11 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback upstream (refused by default)")
     g.add_argument("--metrics-port", type=_number(int, 0, 65535), default=9401,
-                   help="/metrics, /healthz, /status on 127.0.0.1 (0: any; default 9401)")
+                   help="/metrics, /healthz, /status on --metrics-host (0: any free port; "
+                        "default 9401)")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address of /metrics (default 127.0.0.1; 0.0.0.0 in a pod that "
+                        "Prometheus scrapes: a non-loopback address needs a token)")
     g.add_argument("--model", default=None, help="model name (default: the server's first)")
     g.add_argument("--instance", default="",
                    help="the `instance` label of the sidecar watching this server: its "
@@ -111,6 +115,23 @@ def run_guard(args: argparse.Namespace) -> int:
         return 2
 
 
+def preflight(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The guard's start-up checks, before it binds or calls anything: the upstream (a
+    non-loopback one needs --allow-remote) and the token (a non-loopback --listen or
+    --metrics-host needs one). Returns the endpoint and the token; raises CanaryError or
+    ValueError with a one-line reason. Deployment tests call it on a manifest's flags."""
+    from sidecar.server import load_token
+
+    endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote,
+                              "the guard forwards users' traffic to it and replays probes")
+    token = load_token(args.token_file)
+    for flag, host in (("--listen", args.listen[0]), ("--metrics-host", args.metrics_host)):
+        if token is None and not is_loopback(host):
+            raise CanaryError(f"{flag} {host} is not a loopback address: set a token "
+                              "(--token-file or KVSIDECAR_TOKEN) for /guard/* and /status")
+    return endpoint, token
+
+
 def _run(args: argparse.Namespace) -> int:
     from sidecar.canary.client import OpenAIClient
     from sidecar.canary.exporter import CanaryExporter
@@ -121,14 +142,9 @@ def _run(args: argparse.Namespace) -> int:
     from sidecar.protect.breaker import BreakerSettings
     from sidecar.protect.bypass_guard import ENGINE, BypassGuard, GuardConfig
     from sidecar.protect.forward import ForwardLimits
-    from sidecar.server import SidecarServer, load_token
+    from sidecar.server import SidecarServer
 
-    token = load_token(args.token_file)
-    endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote,
-                              "the guard forwards users' traffic to it and replays probes")
-    if token is None and not is_loopback(args.listen[0]):
-        raise CanaryError(f"--listen {args.listen[0]} is not a loopback address: set a "
-                          "token (--token-file or KVSIDECAR_TOKEN) for /guard/*")
+    endpoint, token = preflight(args)
     client = OpenAIClient(endpoint, args.model, 60.0)
     canary = make_canary(client, CanaryConfig(
         dtype=args.dtype, block_size=args.block_size, mode="auto", pairs=args.calibration,
@@ -159,8 +175,8 @@ def _run(args: argparse.Namespace) -> int:
         breaker=BreakerSettings(args.hold, args.probes, args.probe_every))
     guard = BypassGuard(cfg, verifier if supported else None, supported,
                         exporter.metrics).start()
-    http = SidecarServer(guard.metrics.registry, guard.status, port=args.metrics_port,
-                         token=token).start()
+    http = SidecarServer(guard.metrics.registry, guard.status, host=args.metrics_host,
+                         port=args.metrics_port, token=token).start()
     print(f"kv-sidecar guard on {guard.url} -> {endpoint.root} (metrics on "
           f"{http.url}/metrics, tolerance {canary.tolerance.value:.3g})", file=sys.stderr,
           flush=True)

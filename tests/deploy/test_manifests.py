@@ -4,6 +4,7 @@ is wired as the README says; and a misspelt field fails validation."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import shlex
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -223,9 +225,11 @@ def test_probe_install_copies_an_importable_probe(tmp_path: Path) -> None:
     assert not (dest / "sidecar" / "stale_module.py").exists()
 
 
-def test_guard_command_line_parses_with_the_real_cli() -> None:
+def test_guard_command_line_parses_with_the_real_cli(tmp_path: Path) -> None:
     """The guard overlay's flags against ``kv-sidecar guard`` itself, once the CLI has it
-    (issue 25 adds the command; until then this says so and skips)."""
+    (issue 25 adds the command; until then this says so and skips); then the guard's own
+    start-up checks (upstream, token) pass on them, with the token file the pod mounts
+    from the rendered Secret."""
     import argparse
 
     from sidecar.cli import build_parser
@@ -236,5 +240,130 @@ def test_guard_command_line_parses_with_the_real_cli() -> None:
     if "guard" not in commands:
         pytest.skip("`kv-sidecar guard` is not in this tree yet: the overlay's flags are the "
                     "brief's `--upstream URL --listen HOST:PORT`")
-    guard = _container(pod_spec(kustomize("overlays/guard"), "guard"), "guard")
-    parser.parse_args([*guard["command"][1:], *guard["args"]])
+    objects = kustomize("overlays/guard")
+    spec = pod_spec(objects, "guard")
+    guard = _container(spec, "guard")
+    args = parser.parse_args([*guard["command"][1:], *guard["args"]])
+    from sidecar.protect.cli import preflight
+
+    # The token file: the mounted Secret's key, written where the test can read it.
+    mount = next(m for m in guard["volumeMounts"] if m["name"] == "guard-secret")
+    volume = next(v for v in spec["volumes"] if v["name"] == "guard-secret")
+    secret = next(o for o in objects if o["kind"] == "Secret"
+                  and o["metadata"]["name"] == volume["secret"]["secretName"])
+    assert args.token_file.startswith(mount["mountPath"] + "/")
+    key = args.token_file[len(mount["mountPath"]) + 1:]
+    token = base64.b64decode(secret["data"][key]).decode()
+    (tmp_path / key).write_text(token)
+    args.token_file = str(tmp_path / key)
+    endpoint, loaded = preflight(args)
+    assert loaded == token and endpoint.host == "engine"
+    # Without --allow-remote or without the token the guard would refuse to start.
+    with pytest.raises(Exception, match=r"allow-remote|loopback|remote"):
+        preflight(argparse.Namespace(**{**vars(args), "allow_remote": False}))
+    with pytest.raises(Exception, match="token"):
+        preflight(argparse.Namespace(**{**vars(args), "token_file": None}))
+
+
+def test_guard_secret_is_a_placeholder_the_readme_says_to_replace() -> None:
+    text = (KUBE / "overlays" / "guard" / "guard-secret.env").read_text()
+    assert "REPLACE-ME" in text
+    readme = (KUBE.parent.parent / "README.md").read_text()
+    assert "guard-secret.env" in readme
+
+
+def _images(objects: list[dict[str, Any]]) -> dict[str, str]:
+    out = {}
+    for obj in objects:
+        if obj["kind"] != "Deployment":
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            out[f"{obj['metadata']['name']}/{c['name']}"] = c["image"]
+    return out
+
+
+def _tag(image: str) -> str:
+    """The tag of ``image`` ('' for none); a digest counts as pinned."""
+    if "@" in image:
+        return "@digest"
+    name = image.rsplit("/", 1)[-1]
+    return name.split(":", 1)[1] if ":" in name else ""
+
+
+@pytest.mark.parametrize("path", ["base", "overlays/sglang", "overlays/guard"])
+def test_every_rendered_image_has_an_explicit_tag(path: str) -> None:
+    """Base's images: transformer does not reach objects an overlay adds: an untagged image
+    is :latest with imagePullPolicy Always, a different build on every restart."""
+    images = _images(kustomize(path))
+    assert images
+    untagged = {where: i for where, i in images.items() if _tag(i) in ("", "latest")}
+    assert untagged == {}
+
+
+def test_the_tag_check_catches_an_untagged_image() -> None:
+    assert _tag("kv-sidecar") == "" and _tag("reg:5000/kv-sidecar") == ""
+    assert _tag("kv-sidecar:latest") == "latest" and _tag("reg:5000/a/b:0.1.0") == "0.1.0"
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_guard_overlay_wiring_one_breaker_follows_the_engine_and_is_paged() -> None:
+    """One replica (a breaker is per process); the guard follows the engine pod's sidecar
+    /status through a Service that selects that pod's metrics port; its /metrics is on a
+    port the PodMonitor scrapes; page alerts reach its webhook with its own token."""
+    from sidecar.cli import build_parser
+
+    objects = kustomize("overlays/guard")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    assert deployments["guard"]["spec"]["replicas"] == 1
+    guard = _container(pod_spec(objects, "guard"), "guard")
+    args = build_parser().parse_args([*guard["command"][1:], *guard["args"]])
+    engine_spec = pod_spec(objects)
+    engine_labels = deployments["engine"]["spec"]["template"]["metadata"]["labels"]
+    sidecar = _container(engine_spec, "kv-sidecar")
+    assert args.model == _flags(_container(engine_spec, "engine")["args"])["served-model-name"]
+    # --sidecar-status: a Service in front of the engine pod's sidecar metrics port.
+    url = urlsplit(args.sidecar_status)
+    assert url.path == "/status"
+    svc = services[url.hostname]["spec"]
+    assert _selects(svc["selector"], engine_labels)
+    port = next(p for p in svc["ports"] if p["port"] == url.port)
+    assert port["targetPort"] == "metrics"
+    assert {"name": "metrics", "containerPort": int(_flags(sidecar["args"])["port"])} in \
+        sidecar["ports"]
+    # The guard's /metrics: on the pod's address, a port named metrics the PodMonitor scrapes.
+    assert args.metrics_host == "0.0.0.0"
+    assert {"name": "metrics", "containerPort": args.metrics_port} in guard["ports"]
+    monitor = next(o for o in kustomize("monitoring") if o["kind"] == "PodMonitor")
+    guard_labels = deployments["guard"]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], guard_labels)
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # Pages to the guard's webhook, authorised with the token the guard reads.
+    amc = next(o for o in objects if o["kind"] == "AlertmanagerConfig")
+    assert {"name": "severity", "matchType": "=", "value": "page"} in \
+        amc["spec"]["route"]["matchers"]
+    receiver = next(r for r in amc["spec"]["receivers"]
+                    if r["name"] == amc["spec"]["route"]["receiver"])
+    hook = receiver["webhookConfigs"][0]
+    secret = next(o for o in objects if o["kind"] == "Secret"
+                  and o["metadata"]["name"] == hook["urlSecret"]["name"])
+    target = urlsplit(base64.b64decode(secret["data"][hook["urlSecret"]["key"]]).decode())
+    assert target.path == "/guard/alertmanager"
+    assert target.hostname is not None and target.hostname.split(".")[0] == "guard"
+    assert target.port == services["guard"]["spec"]["ports"][0]["port"]
+    credentials = hook["httpConfig"]["authorization"]["credentials"]
+    assert credentials["name"] == secret["metadata"]["name"]
+    assert args.token_file.endswith("/" + credentials["key"])
+
+
+def test_a_misspelt_webhook_credentials_field_fails_its_schema(tmp_path: Path) -> None:
+    obj = copy.deepcopy(next(o for o in kustomize("overlays/guard")
+                             if o["kind"] == "AlertmanagerConfig"))
+    auth = obj["spec"]["receivers"][0]["webhookConfigs"][0]["httpConfig"]["authorization"]
+    auth["credential"] = auth.pop("credentials")
+    failures = check_jsonschema([obj], tmp_path)
+    assert list(failures) == ["AlertmanagerConfig/kv-sidecar-guard"]

@@ -108,3 +108,30 @@ def test_an_alert_without_the_namespace_label_reaches_no_receiver_of_ours(
     amtool = require("amtool")
     assert _route(amtool, _merged(monitoring, tmp_path),
                   ["severity=page", "alertname=KVCacheContentAnomaly"]) == "null"
+
+
+@pytest.mark.parametrize(("labels", "want"), [
+    (["severity=page", "alertname=KVCacheContentAnomaly"],
+     f"{NAMESPACE}/kv-sidecar/pager,{NAMESPACE}/kv-sidecar-guard/guard"),
+    (["severity=warning", "alertname=KVCacheUsageHigh"], f"{NAMESPACE}/kv-sidecar/tickets"),
+])
+def test_pages_reach_the_guard_as_well_as_the_pager(labels: list[str], want: str,
+                                                    monitoring: list[dict[str, Any]],
+                                                    tmp_path: Path) -> None:
+    """Both AlertmanagerConfigs merged as the operator merges them (each a first-level
+    route with continue): a page goes to the pager and to the guard's webhook; a warning
+    only to tickets."""
+    amtool = require("amtool")
+    secret = {k: f"http://receiver.invalid/{k}" for k in receiver_keys()}
+    ours = operator_alertmanager_yaml(one(monitoring, "AlertmanagerConfig"), NAMESPACE, secret)
+    guard = operator_alertmanager_yaml(
+        one(kustomize("overlays/guard"), "AlertmanagerConfig"), NAMESPACE,
+        {"alertmanager-url": f"http://guard.{NAMESPACE}.svc:8000/guard/alertmanager"})
+    ours["route"]["routes"] += guard["route"]["routes"]
+    ours["receivers"] += guard["receivers"][1:]  # one "null" root receiver
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(ours, sort_keys=False))
+    assert _run([amtool, "check-config", str(path)]).returncode == 0
+    result = _run([amtool, "config", "routes", "test", "--config.file", str(path),
+                   f"namespace={NAMESPACE}", *labels])
+    assert result.stdout.strip() == want
