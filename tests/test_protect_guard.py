@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -92,6 +93,10 @@ def test_probes_the_upstream_fails_reopen_it_instead_of_half_open_for_ever(
                 _complete(guard, _prompt(i))
         assert guard.verifier is not None
         guard.verifier.drain()
+        # A probe's error is counted after its answer reached the client: wait for it.
+        deadline = time.monotonic() + 60
+        while guard.breaker.state is not State.OPEN and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert guard.breaker.state is State.OPEN
         assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="probe_errors") == 1
 

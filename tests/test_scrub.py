@@ -21,7 +21,7 @@ from tests.reference_helpers import SMALL_POOL
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.
 QUIET = SidecarConfig(sample_every=10**6, dispatch="inline", allocator_every_s=0,
                       recompute_tokens_per_s=0, scrub_idle_s=0, scrub_blocks_per_tick=8,
-                      scrub_tokens_per_minute=1e9, scrub_seed=7)
+                      scrub_tokens_per_minute=1e9, scrub_seed=7, burst_hits=0)
 # A few conversations: enough resident blocks with real prefixes, in about a second.
 WARM = WorkloadConfig(conversations=8, max_turns=4)
 
