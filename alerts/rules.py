@@ -293,7 +293,7 @@ def alert_rules(cfg: MixinConfig) -> list[Alert]:
               f"{_PCT} of sampled hits were dropped unverified with reason "
               f"{{{{ $labels.reason }}}} over the last {cfg.rate_window} {_WHERE} "
               f"(threshold {percent(t.samples_dropped_ratio)})."),
-        # Calibrated tolerance (sidecar/calibration.py): the errors moved off their floor.
+        # Calibrated tolerance (sidecar/checks/calibration.py): the errors moved off their floor.
         Alert("KVCacheRecomputeErrorDrift",
               f"max by ({by}, reference, dtype) ({q.sel(S.RECOMPUTE_ERROR_DRIFT)}) "
               f"> {t.recompute_error_drift:g}", "15m", WARNING,
@@ -371,7 +371,7 @@ def rule_groups(cfg: MixinConfig | None = None) -> dict[str, object]:
     ]}
 
 
-# --- background scrub (sidecar/scrub.py; engineer scrub): one self-contained block that
+# --- background scrub (sidecar/checks/scrub.py; engineer scrub): one self-contained block that
 # appends its alert to alert_rules(). A scrub that stops completing passes is silent
 # otherwise: idle entries go unverified while every other signal looks calm.
 def scrub_alert_rules(cfg: MixinConfig) -> list[Alert]:

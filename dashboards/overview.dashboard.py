@@ -76,7 +76,7 @@ anomalies = [
     (timeseries("Anomalies by cache group", "Which cache group (full attention, sliding "
                 "window, ...) holds the wrong KV.", "cps",
                 [(rate(S.ANOMALIES, "instance, group"), "{{instance}} {{group}}")]), 12, 8),
-    # Calibrated tolerance (sidecar/calibration.py).
+    # Calibrated tolerance (sidecar/checks/calibration.py).
     (timeseries("Recompute error vs tolerance", "Normalized recompute error of verified "
                 "blocks (P50/P99 from the histogram) under the tolerance in use and the "
                 "calibrated noise floor, per reference kind and dtype.", "none",
@@ -235,7 +235,8 @@ dashboard = Dashboard(
     ]),
 ).auto_panel_ids()
 
-# --- scrub and actions (sidecar/scrub.py, sidecar/actions.py; engineer scrub): one row
+# --- scrub and actions (sidecar/checks/scrub.py, sidecar/protect/actions.py; engineer scrub): one
+# row
 # appended under the others. What the protective actions are doing (off by default) and
 # whether the background scrub keeps up with the resident set within its budget.
 scrub_actions = [

@@ -86,7 +86,7 @@ import torch
 from toy import ToyAdapter, ToyEngine
 
 from sidecar.checks.fingerprint import kv_digest
-from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.core.monitor import Monitor, SidecarConfig
 
 # No xxhash in the lean runtime: fingerprints fall back to stdlib BLAKE2b, and say so.
 algo, _, hex_digest = kv_digest(torch.ones(2, 3), torch.zeros(2, 3)).partition(":")

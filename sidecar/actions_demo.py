@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.actions import bad_blocks
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.verifier import Verdict
+from sidecar.protect.actions import bad_blocks
 
 
 @dataclass

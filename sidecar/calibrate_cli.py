@@ -6,7 +6,7 @@ block of it verified, the tolerance held at the fixed table so nothing learnt ca
 block. The largest error among the blocks that passed is the floor; the profile's tolerance
 is ``multiple x floor`` (3 by default: the floor here is the largest error over thousands of
 blocks, long contexts included, where a learnt one is the largest of the first 64 and takes
-4x), clamped like a learnt one (:mod:`sidecar.calibration`). A run that
+4x), clamped like a learnt one (:mod:`sidecar.checks.calibration`). A run that
 flagged anything is refused: a profile must not be measured on an engine that is not clean.
 Entries already in ``--out`` for other keys are kept (``--replace`` drops them).
 """
@@ -17,14 +17,14 @@ import argparse
 import sys
 from typing import Any
 
-from sidecar.calibration_profile import (
+from sidecar.checks.calibration_profile import (
     Profile,
     ProfileEntry,
     ProfileError,
     load_profile,
     save_profile,
 )
-from sidecar.tolerance import DEFAULT_CALIBRATION_SAMPLES, min_tolerance
+from sidecar.checks.tolerance import DEFAULT_CALIBRATION_SAMPLES, min_tolerance
 
 MODELS = ("reference", "hybrid", "recurrent")
 DTYPES = ("float32", "bfloat16", "float16")

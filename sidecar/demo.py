@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.core.health import monitor_health
+from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.health import monitor_health
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.server import SidecarServer
+from sidecar.export.server import SidecarServer
 from sidecar.signals import THRESHOLDS
 
 # The reference engines' calibration profile, written by `kv-sidecar calibrate` (README,
@@ -40,7 +40,8 @@ class DemoOptions:
     pace_s: float = 0.0
     evidence_dir: str | None = None
     otel: str = "none"
-    otlp_endpoint: str | None = None  # OTLP/HTTP push of metrics and spans (sidecar.otel_push)
+    # OTLP/HTTP push of metrics and spans (sidecar.export.otel_push)
+    otlp_endpoint: str | None = None
     otlp_interval_s: float = 10.0
     otlp_protocol: str = "http/protobuf"
     progress: bool = True
@@ -129,11 +130,11 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     engine, monitor = build(opts)
     otel = None
     if opts.otel == "console":
-        from sidecar.otel import OtelExporter, console_exporter
+        from sidecar.export.otel import OtelExporter, console_exporter
         otel = OtelExporter(monitor.metrics.registry, console_exporter()).start()
     push = None
     if opts.otlp_endpoint:
-        from sidecar.otel_push import start_otlp_push
+        from sidecar.export.otel_push import start_otlp_push
         push = start_otlp_push(monitor, opts.otlp_endpoint, opts.otlp_interval_s,
                                opts.otlp_protocol)
     server = SidecarServer(monitor.metrics.registry, monitor.summary, port=opts.port,

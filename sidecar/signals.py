@@ -1,6 +1,6 @@
 """The single source of truth for kv-sidecar's signal names, labels, kinds and thresholds.
 
-Everything that names a signal imports it from here: the exporter (:mod:`sidecar.metrics`),
+Everything that names a signal imports it from here: the exporter (:mod:`sidecar.export.metrics`),
 the dashboards (``dashboards/*.dashboard.py``), the alert-rule generator (``alerts/``), the
 README's signals table (``kv-sidecar signals --markdown``) and the tests. Renaming a metric
 is a one-line change in this file.
@@ -181,7 +181,8 @@ VLLM_SIGNALS: tuple[Signal, ...] = (
 ALL_SIGNALS = (*ALL_SIGNALS, *VLLM_SIGNALS)
 # --- end of the vLLM adapter's block.
 
-# --- recompute tolerance (sidecar/calibration.py): the error, the tolerance, floor and drift.
+# --- recompute tolerance (sidecar/checks/calibration.py): the error, the tolerance, floor and
+# drift.
 # Labels are bounded: group (a few cache groups), dtype (one per sidecar), reference
 # ("independent" or "engine").
 ERROR_BUCKETS = tuple(float(f"{10 ** (k / 3):.3g}") for k in range(-21, 4))  # 1e-7 .. 10
@@ -344,7 +345,8 @@ class AnomalyKind(enum.StrEnum):
     # block was neither freed nor stored again in between: it changed in place after
     # serving (a late write landing, a bit flip). What was served is judged on the capture.
     CHANGED_AFTER_SERVING = "changed_after_serving"
-    # --- hybrid caches (per cache group; :mod:`sidecar.coverage` says what a group needs)
+    # --- hybrid caches (per cache group; :mod:`sidecar.checks.group_coverage` says what a group
+    # needs)
     # A sliding-window group's blocks are not where its window is: restored off by a block,
     # or real blocks at positions its window has left / null ones inside it.
     WINDOW_MISMATCH = "window_mismatch"
@@ -421,7 +423,7 @@ class Thresholds:
     # sits at calibration_multiple, 4 by default): the distribution moved, no block failed yet.
     recompute_error_drift: float = 2.0
     # A background scrub pass not completed for this long (while a scrub runs) warns
-    # (KVSidecarScrubOverdue; sidecar/scrub.py). Keep it above a pass's expected duration.
+    # (KVSidecarScrubOverdue; sidecar/checks/scrub.py). Keep it above a pass's expected duration.
     scrub_pass_overdue_seconds: float = 3600.0
     # --- hybrid caches (hcore): offload-tier recoveries (loads) seen through on_tier.
     # More than this share of loads ending "failed" over the rate window is a warning.
@@ -462,7 +464,7 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-# --- Hook-input validation (sidecar/hook_input.py): a bad value an engine hands a hook is
+# --- Hook-input validation (sidecar/core/hook_input.py): a bad value an engine hands a hook is
 # counted here and dropped, never applied. Labels: hook (the six hooks), reason (InputReject).
 class InputReject(enum.StrEnum):
     """The value of the ``reason`` label of :data:`HOOK_INPUT_REJECTED`."""
@@ -480,7 +482,8 @@ HOOK_INPUT_REJECTED = _s("hook_input_rejected_total", C,
                          ("hook", "reason"))
 ALL_SIGNALS = (*ALL_SIGNALS, HOOK_INPUT_REJECTED)
 
-# --- background scrub (sidecar/scrub.py) and protective actions (sidecar/actions.py).
+# --- background scrub (sidecar/checks/scrub.py) and protective actions
+# (sidecar/protect/actions.py).
 # Appended to ALL_SIGNALS like the blocks above. Bounded labels: reason (ScrubSkip),
 # action (Action), result (fixed sets in the help text), group (a few cache groups).
 class ScrubSkip(enum.StrEnum):
@@ -642,7 +645,8 @@ ADAPTER_SIGNALS["sglang"] = SGLANG_SIGNALS
 # --- end of the SGLang adapter's block.
 
 
-# --- detection outlook (sidecar/outlook.py, issue 23): how much of the cache has been checked,
+# --- detection outlook (sidecar/export/outlook.py, issue 23): how much of the cache has been
+# checked,
 # how fast a fault would be found, and the start burst. Bounded label: reason (BurstReason).
 class BurstReason(enum.StrEnum):
     """The value of the ``reason`` label of :data:`SAMPLE_BURSTS`."""

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sidecar.monitor import Monitor, SidecarConfig
+from sidecar.core.monitor import Monitor, SidecarConfig
 from tests.toy import ToyAdapter, ToyEngine
 
 

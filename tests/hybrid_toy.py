@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import (
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,

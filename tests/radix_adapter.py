@@ -1,4 +1,4 @@
-"""kv-sidecar adapter for the radix engine, written against sidecar.protocol only.
+"""kv-sidecar adapter for the radix engine, written against sidecar.core.protocol only.
 
 A *block* is a block_size-aligned run of a path's token positions (tokens ``i*bs`` to
 ``(i+1)*bs`` of a prefix); its id is the slot holding its LAST token. Not the first: two
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import sidecar.protocol as kv
+import sidecar.core.protocol as kv
 from sidecar.checks.keys import prefix_digest
 from tests.radix_engine import RadixEngine, Running
 
@@ -80,7 +80,7 @@ class RadixAdapter:
     def _fields(self, run: Running) -> dict[str, str]:  # the request's own, not the key's
         return {"model_revision": self.info.revision, "adapter": run.request.adapter}
 
-    # -------------------------------------------- sidecar.protocol.Adapter
+    # -------------------------------------------- sidecar.core.protocol.Adapter
     def describe(self) -> kv.EngineInfo:
         return self.info
 

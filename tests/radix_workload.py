@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef, Hit
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef, Hit
 from tests.radix_adapter import RadixAdapter
 from tests.radix_engine import RadixEngine, Request
 from tests.radix_faults import RadixFault

@@ -1,4 +1,4 @@
-"""Protective actions (sidecar/actions.py) on the real reference engine: quarantine makes a
+"""Protective actions (sidecar/protect/actions.py) on the real reference engine: quarantine makes a
 corrupted entry one anomaly instead of one per later hit; the circuit breaker takes the hit
 rate to 0 after K anomalies and brings it back after M clean probes."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.verifier import Verdict
 
 BS = 16
 # Every hit verified inline, every full block of it: a later hit of a bad block is seen.
@@ -159,7 +159,7 @@ def test_a_failing_evict_is_counted_never_raised() -> None:
 
 def test_actions_demo_refuses_bad_input_with_exit_code_2(capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
-    from sidecar.cli import main
+    from sidecar.cli.main import main
 
     assert main(["actions-demo", "--requests", "0"]) == 2
     assert "--requests" in capsys.readouterr().err

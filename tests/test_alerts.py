@@ -123,7 +123,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVCacheAnomalyFleetWide": PAGE,
         "KVCacheRecomputeErrorDrift": WARNING,
         "KVCacheHitCounterMismatch": WARNING,
-        "KVSidecarScrubOverdue": WARNING,  # the background scrub (sidecar/scrub.py)
+        "KVSidecarScrubOverdue": WARNING,  # the background scrub (sidecar/checks/scrub.py)
         "KVCacheRecoveryFailures": WARNING,
         "KVCacheRecoveryLatencyHigh": WARNING,
     }

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.demo import DemoOptions, format_summary, run_demo
 from sidecar.signals import THRESHOLDS, InvariantKind
 

@@ -18,9 +18,9 @@ from sidecar.allocator import (
     check_snapshot,
     unheld_references,
 )
-from sidecar.evidence import EvidenceLog
-from sidecar.metrics import Metrics
-from sidecar.protocol import AllocatorState, BlockTableSnapshot
+from sidecar.core.protocol import AllocatorState, BlockTableSnapshot
+from sidecar.evidence.record import EvidenceLog
+from sidecar.export.metrics import Metrics
 from sidecar.signals import InvariantKind as K
 from tests.reference_helpers import run_small
 

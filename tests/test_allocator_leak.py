@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.allocator import LeakTrend, unheld_from_state
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import AllocatorState
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import AllocatorState
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

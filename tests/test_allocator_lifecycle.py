@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.allocator import LifecycleLog, LifecycleOp
+from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, drive
-from sidecar.monitor import Monitor, SidecarConfig
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
 
 
 @pytest.mark.parametrize(("num_blocks", "max_running", "requests"), [

@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.bench.args import KV_STORAGES as ARG_STORAGES
 from sidecar.bench.harness import Scenario, ScenarioResult, run_many
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.engines.reference.quant import KV_STORAGES

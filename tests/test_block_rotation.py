@@ -11,11 +11,11 @@ import torch
 
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.adapters.vllm.groups import choose_group_blocks, groups_from_config
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import CacheGroup, GroupKind, Hit, Lookup
+from sidecar.core.sampling import BlockCursors, UniformSampler, choose_blocks
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.sequence import Request
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import CacheGroup, GroupKind, Hit, Lookup
-from sidecar.sampling import BlockCursors, UniformSampler, choose_blocks
 
 BS = 16
 

@@ -13,8 +13,8 @@ import pytest
 
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.calibrate_cli import measure
-from sidecar.calibration import Calibration, CalibrationConfig
-from sidecar.calibration_profile import (
+from sidecar.checks.calibration import Calibration, CalibrationConfig
+from sidecar.checks.calibration_profile import (
     MAX_PROFILE_BYTES,
     PROFILE_FORMAT,
     Profile,
@@ -24,14 +24,14 @@ from sidecar.calibration_profile import (
     parse_profile,
     save_profile,
 )
-from sidecar.cli import main
-from sidecar.config import SidecarConfig
+from sidecar.checks.tolerance import min_tolerance, tolerance_for
+from sidecar.cli.main import main
+from sidecar.config.settings import SidecarConfig
+from sidecar.core.monitor import Monitor
 from sidecar.demo import SHIPPED_PROFILE, DemoOptions, sidecar_config
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor
-from sidecar.tolerance import min_tolerance, tolerance_for
 
 ENTRY = {"model": "tiny-llama", "dtype": "bfloat16", "reference": "independent",
          "floor": 0.0124, "tolerance": 0.0625, "blocks": 933, "multiple": 4.0,
@@ -155,7 +155,7 @@ def test_profile_sets_the_tolerance_and_learning_only_tightens_it() -> None:
 
 def test_learning_without_a_profile_warns_once_per_reference(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="sidecar.calibration"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.checks.calibration"):
         cal = _cal(None)
         cal.tolerance("independent")
         cal.tolerance("independent")

@@ -32,7 +32,7 @@ from sidecar.canary.load import RateLimit
 from sidecar.canary.probes import PairResult, boundary_lengths, expected_cached
 from sidecar.canary.replay import ReplayProxy
 from sidecar.canary.runner import CanaryConfig, make_canary
-from sidecar.cli import main
+from sidecar.cli.main import main
 
 BLOCK = 4
 

@@ -20,7 +20,7 @@ from sidecar.canary.client import OpenAIClient, RequestFailed
 from sidecar.canary.endpoint import parse_endpoint
 from sidecar.canary.load import RateLimit
 from sidecar.canary.runner import Canary, CanaryConfig
-from sidecar.cli import main
+from sidecar.cli.main import main
 
 GOOD_TOP = {"token_id:1": -0.5, "token_id:2": -1.5}
 

@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef, Hit, Lookup, StoredBlock
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.faults import Fault
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef, Hit, Lookup, StoredBlock
 from sidecar.signals import AnomalyKind, DropReason
 
 

@@ -10,9 +10,9 @@ from sidecar.checks.fingerprint import check_fingerprint, kv_digest
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests, token_digest
 from sidecar.checks.recompute import check_recompute, normalized_error
 from sidecar.checks.structure import check_structure
-from sidecar.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind, Hit
+from sidecar.checks.tolerance import tolerance_for
+from sidecar.core.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind, Hit
 from sidecar.signals import AnomalyKind
-from sidecar.tolerance import tolerance_for
 
 REF = BlockRef(group_id=0, index=1, block_id=7)
 INFO = EngineInfo("t", "m", "r1", "float32", 4, 2, 8,

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from sidecar import signals as S
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.demo import DemoOptions, run_demo
 from sidecar.engines.reference.faults import FAULTS
 

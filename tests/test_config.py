@@ -2,7 +2,7 @@
 (flags > env > file > defaults), ``kv-sidecar config check|show``, ``--config`` on the
 commands that run the sidecar.
 
-Most cases call the CLI's entry point (``sidecar.cli.main``) in-process; two run it as a
+Most cases call the CLI's entry point (``sidecar.cli.main.main``) in-process; two run it as a
 subprocess (the real interpreter start, and the lean install without the vLLM extra).
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import sidecar.config_schema as schema_mod
-from sidecar.cli import build_parser, main
-from sidecar.config import LIMITS, SidecarConfig
-from sidecar.config_cli import configure, sidecar_config
-from sidecar.config_layers import ConfigError
+import sidecar.config.schema as schema_mod
+from sidecar.cli.main import build_parser, main
+from sidecar.config.cli import configure, sidecar_config
+from sidecar.config.layers import ConfigError
+from sidecar.config.settings import LIMITS, SidecarConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "kv-sidecar.toml"
@@ -238,7 +238,7 @@ def test_fields_added_to_sidecar_config_are_keys_with_no_extra_code(monkeypatch,
     schema = schema_mod.build_schema()
     assert schema.key("sidecar.scrub_interval_s").default == 60.0
     assert schema.by_env["KVSIDECAR_QUARANTINE"].path == "sidecar.quarantine"
-    from sidecar.config_layers import read_file
+    from sidecar.config.layers import read_file
 
     values, problems = read_file(schema, _write(tmp_path, "[sidecar]\nscrub_interval_s = 30\n"
                                                            "quarantine = \"yes\"\n"))
@@ -268,7 +268,7 @@ def test_sidecar_config_for_in_process_embedding(tmp_path):
 
 def test_without_the_vllm_extra_its_section_is_skipped_not_fatal():
     code = ("import sys\nfor m in ('zmq', 'msgpack'): sys.modules[m] = None\n"
-            "from sidecar.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+            "from sidecar.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.run([sys.executable, "-c", code, "config", "check", str(EXAMPLE)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

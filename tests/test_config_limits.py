@@ -13,11 +13,11 @@ import typing
 
 import pytest
 
-from sidecar.cli import main
-from sidecar.config import DAY_S, LIMITS, SidecarConfig
-from sidecar.config_file import MAX_CONFIG_BYTES
-from sidecar.config_layers import read_file
-from sidecar.config_schema import _field_hints, build_schema
+from sidecar.cli.main import main
+from sidecar.config.layers import read_file
+from sidecar.config.schema import _field_hints, build_schema
+from sidecar.config.settings import DAY_S, LIMITS, SidecarConfig
+from sidecar.config.toml_file import MAX_CONFIG_BYTES
 
 
 def _one_error_line(err: str) -> str:
@@ -134,7 +134,7 @@ def test_dev_zero_via_the_environment_exits_2_without_growing(tmp_path) -> None:
     """On 75d8333 ``/dev/zero`` as the file was read whole (it never ends); run in a child
     with an address-space cap so the old behaviour fails rather than eats the machine."""
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30));"
-            "from sidecar.cli import main; sys.exit(main(['config', 'show']))")
+            "from sidecar.cli.main import main; sys.exit(main(['config', 'show']))")
     env = {**os.environ, "KVSIDECAR_CONFIG": "/dev/zero"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.capture_buffer import CaptureBuffer
 from sidecar.checks.content import check_content
 from sidecar.checks.device_digest import device_digest
 from sidecar.checks.fingerprint import (
@@ -26,12 +25,13 @@ from sidecar.checks.fingerprint import (
 )
 from sidecar.checks.recompute import check_recompute
 from sidecar.checks.structure import check_structure
-from sidecar.cli import main
-from sidecar.device import DeviceUnavailable, resolve_device
+from sidecar.cli.main import main
+from sidecar.core.capture_buffer import CaptureBuffer
+from sidecar.core.device import DeviceUnavailable, resolve_device
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind
 from sidecar.signals import AnomalyKind
 from tests.test_capture_epochs import ServedThenRepaired
 

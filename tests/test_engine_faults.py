@@ -8,10 +8,10 @@ from functools import cache
 import pytest
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.core.protocol import BlockRef, Lookup
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
 from sidecar.engines.reference.faults import FAULTS, Fault, describe_faults, make_fault
 from sidecar.engines.reference.hybrid_faults import fault_applies
-from sidecar.protocol import BlockRef, Lookup
 from tests.reference_helpers import RecordingSink, clean_small, outputs_by_tag, run_small
 
 # Knobs that make a fault act often enough on the small workload to be seen in a test.

@@ -12,13 +12,13 @@ import torch
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.fingerprint import kv_digest
 from sidecar.checks.recompute import block_error
+from sidecar.checks.tolerance import tolerance_for
+from sidecar.core.protocol import BlockRef, Hit, Lookup, StoredBlock
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.pool import BlockPool
 from sidecar.engines.reference.quant import KV_STORAGES, quantize
 from sidecar.engines.reference.workload import ChatWorkload, drive
-from sidecar.protocol import BlockRef, Hit, Lookup, StoredBlock
-from sidecar.tolerance import tolerance_for
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

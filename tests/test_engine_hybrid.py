@@ -14,8 +14,10 @@ import torch
 from transformers import DynamicCache
 
 from sidecar.adapters.reference_hybrid import HybridReferenceAdapter, make_adapter
+from sidecar.checks.group_coverage import required_blocks
 from sidecar.checks.recompute import block_error
-from sidecar.coverage import required_blocks
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockRef, GroupKind, Hit, Lookup, StoredBlock
 from sidecar.engines.reference.config import EngineConfig
 from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.hybrid_engine import NULL_BLOCK, HybridEngine
@@ -23,8 +25,6 @@ from sidecar.engines.reference.hybrid_faults import fault_applies
 from sidecar.engines.reference.hybrid_model import model_config
 from sidecar.engines.reference.sequence import Request
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockRef, GroupKind, Hit, Lookup, StoredBlock
 
 BS = 16
 HYBRID_FAULTS = sorted(n for n, cls in FAULTS.items() if cls.needs_groups)
@@ -332,7 +332,7 @@ def test_bench_detection_runs_hybrid_faults_on_the_models_that_have_their_groups
         capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from sidecar.cli import main
+    from sidecar.cli.main import main
     assert main(["bench", "detection", "--json", "--quiet", "--model", "reference", "hybrid",
                  "--faults", "null-block-read", "--dtype", "float32", "--requests", "30",
                  "--sample-every", "1", "--clean-samples", "0", "--policy-seeds", "0",
@@ -360,7 +360,7 @@ def test_demo_json_shows_hits_in_every_group_and_no_anomaly(model: str) -> None:
 
 
 def test_cli_refuses_a_fault_the_model_cannot_have(capsys: pytest.CaptureFixture[str]) -> None:
-    from sidecar.cli import main
+    from sidecar.cli.main import main
     assert main(["demo", "--model", "recurrent", "--fault", "window-mismatch",
                  "--quiet", "--port", "0"]) == 2
     assert "does not apply" in capsys.readouterr().err

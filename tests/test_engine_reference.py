@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.checks.tolerance import tolerance_for
+from sidecar.core.protocol import Adapter, AdapterError, BlockRef, GroupKind, Hit, StoredBlock
 from sidecar.engines.reference.calibrate import ErrorRecorder
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request
 from sidecar.engines.reference.model import ModelConfig
@@ -18,8 +20,6 @@ from sidecar.engines.reference.workload import (
     drive,
     token_hit_rate,
 )
-from sidecar.protocol import Adapter, AdapterError, BlockRef, GroupKind, Hit, StoredBlock
-from sidecar.tolerance import tolerance_for
 from tests.reference_helpers import RecordingSink, clean_small, greedy_without_cache
 
 

@@ -16,6 +16,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Hit, Lookup, StoredBlock, TierState
 from sidecar.engines.reference.blocks import BlockData
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request
 from sidecar.engines.reference.faults import FAULTS
@@ -26,8 +28,6 @@ from sidecar.engines.reference.tier import (
     TierEntry,
 )
 from sidecar.engines.reference.tier_worker import CopyWorker
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import Hit, Lookup, StoredBlock, TierState
 from sidecar.signals import AnomalyKind
 from tests.reference_helpers import greedy_without_cache
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from sidecar.bench.evidence_kill import kill_cycles
-from sidecar.cli import main
-from sidecar.evidence import EvidenceLog, tensor_key
-from sidecar.evidence_plot import palette
-from sidecar.safetensors_io import dumps, loads
+from sidecar.cli.main import main
+from sidecar.evidence.plot import palette
+from sidecar.evidence.record import EvidenceLog, tensor_key
+from sidecar.evidence.safetensors_io import dumps, loads
 from tests.conftest import make_toy
 from tests.toy import BS, DIM, HEADS, LAYERS, reference_kv
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.cli import main
-from sidecar.evidence import EvidenceLog, tensor_key
-from sidecar.evidence_files import EvidenceDirRefused
-from sidecar.safetensors_io import SafetensorsError, dumps, loads
+from sidecar.cli.main import main
+from sidecar.evidence.files import EvidenceDirRefused
+from sidecar.evidence.record import EvidenceLog, tensor_key
+from sidecar.evidence.safetensors_io import SafetensorsError, dumps, loads
 
 
 def _record(seq: int, **fields: object) -> dict:

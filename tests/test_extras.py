@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from sidecar.extras import EXTRAS, MissingExtra, missing_modules, require
+from sidecar.core.extras import EXTRAS, MissingExtra, missing_modules, require
 
 RUN_WITHOUT = """
 import sys
 for name in sys.argv[1].split(","):
     sys.modules[name] = None
-from sidecar.cli import main
+from sidecar.cli.main import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from sidecar.guard import AdapterRefused, AdapterTimeout, Guard
-from sidecar.protocol import Hit
-from sidecar.sampling import UniformSampler, choose_blocks
-from sidecar.verifier import TokenBucket
+from sidecar.checks.verifier import TokenBucket
+from sidecar.core.protocol import Hit
+from sidecar.core.sampling import UniformSampler, choose_blocks
+from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 
 
 def test_guard_returns_results_and_reraises_errors():

@@ -13,7 +13,7 @@ import pytest
 from sidecar import signals as S
 from sidecar.adapters.vllm.wire import WireError, decode_capture
 from sidecar.bench.fuzz import _probe_corpus
-from sidecar.protocol import StoredBlock
+from sidecar.core.protocol import StoredBlock
 from tests.conftest import make_toy
 
 

@@ -9,7 +9,7 @@ import threading
 from prometheus_client import generate_latest
 
 from sidecar import signals as S
-from sidecar.protocol import TierState
+from sidecar.core.protocol import TierState
 from sidecar.signals import DropReason
 from tests.hybrid_toy import FULL, PROMPT, RECURRENT, SLIDING, make
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from sidecar import signals as S
-from sidecar.monitor import Monitor
-from sidecar.protocol import Hit, TierState
-from sidecar.sampling import UniformSampler, choose_blocks
+from sidecar.checks.verifier import Sample
+from sidecar.core.monitor import Monitor
+from sidecar.core.protocol import Hit, TierState
+from sidecar.core.sampling import UniformSampler, choose_blocks
 from sidecar.signals import AnomalyKind as K
-from sidecar.verifier import Sample
 from tests.hybrid_toy import (
     BS,
     FULL,
@@ -238,7 +238,7 @@ def test_a_null_block_chosen_by_another_sampler_is_never_read_as_kv():
 
 def test_coverage_check_on_odd_tables():
     from sidecar.checks.coverage import check_coverage
-    from sidecar.protocol import CacheGroup, EngineInfo, GroupKind
+    from sidecar.core.protocol import CacheGroup, EngineInfo, GroupKind
 
     tier = CacheGroup(9, GroupKind.OFFLOADED_TIER, (0,), name="cpu")
     info = EngineInfo("t", "m", "r", "float32", BS, 2, 8, (*groups(), tier))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sidecar import signals as S
-from sidecar.protocol import Hit, Lookup
+from sidecar.core.protocol import Hit, Lookup
 from tests.conftest import make_toy
 
 PROMPT = list(range(1, 17))  # 4 full blocks of 4
@@ -121,7 +121,7 @@ def test_hooks_never_raise_into_the_engine(toy):
     mon.on_store(None)  # type: ignore[arg-type]
     mon.on_free(0, None)  # type: ignore[arg-type]
     mon.on_request_done("slow")  # type: ignore[arg-type]
-    # Caught at the door (sidecar/hook_input.py): counted as rejected input, not applied.
+    # Caught at the door (sidecar/core/hook_input.py): counted as rejected input, not applied.
     for hook in ("on_lookup", "on_store", "on_free", "on_request_done"):
         assert mon.metrics.value(S.HOOK_INPUT_REJECTED.name, hook=hook, reason="type") == 1
 
@@ -179,8 +179,8 @@ def test_bad_config_is_a_clear_error():
 def test_unknown_allocator_fields_are_absent_not_zero():
     """An engine that cannot say how many blocks are cached, or count its allocations,
     gets no series for them: unknown is never exported as a measured 0."""
-    from sidecar.metrics import Metrics
-    from sidecar.protocol import AllocatorState
+    from sidecar.core.protocol import AllocatorState
+    from sidecar.export.metrics import Metrics
 
     m = Metrics("e", "m")
     m.allocator.update(AllocatorState(total_blocks=10, free_blocks=4, used_blocks=6))
@@ -220,7 +220,7 @@ def test_an_adapter_registers_its_own_signals():
     """The core's signals are engine-agnostic; the vLLM adapter's appear only on a sidecar
     where a vLLM component attached them (here: the metrics bridge)."""
     from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge
-    from sidecar.metrics import Metrics
+    from sidecar.export.metrics import Metrics
 
     m = Metrics("vllm", "m")
     assert S.KV_EVENTS.name not in m.instruments.families

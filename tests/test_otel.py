@@ -3,7 +3,7 @@
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
 from sidecar import signals as S
-from sidecar.otel import OtelExporter
+from sidecar.export.otel import OtelExporter
 from tests.conftest import make_toy
 
 

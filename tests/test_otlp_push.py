@@ -9,10 +9,10 @@ import time
 import pytest
 
 from sidecar import signals as S
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.demo import DemoOptions, build
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.otel_push import (
+from sidecar.export.otel_push import (
     SPAN_ATTRIBUTES,
     SPAN_NAME,
     OtlpPush,
@@ -143,7 +143,7 @@ def test_receiver_down_is_logged_not_raised() -> None:
 def test_adapter_owned_families_go_through_otlp_too() -> None:
     """The vLLM, canary and LMCache adapters register their own families where they run;
     each (counter, gauge, histogram, with its labels) reaches the receiver as well."""
-    from sidecar.metrics import Metrics
+    from sidecar.export.metrics import Metrics
 
     owned = [s for group in S.ADAPTER_SIGNALS.values() for s in group]
     metrics = Metrics("vllm", "m", extra_signals=owned)

@@ -22,7 +22,7 @@ from sidecar.canary.client import OpenAIClient
 from sidecar.canary.endpoint import parse_endpoint
 from sidecar.canary.replay import ReplayVerifier
 from sidecar.canary.runner import CanaryConfig, make_canary
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.protect.breaker import BreakerSettings, BypassBreaker, Route, Source, State
 from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig, pages_for
 from tests.test_canary import BLOCK, FakeServer

@@ -11,11 +11,9 @@ import pytest
 
 import sidecar.adapters
 from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.conformance import check_adapter, check_protocol
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.guard import AdapterTimeout
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import (
+from sidecar.core.conformance import check_adapter, check_protocol
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import (
     Adapter,
     AllocatorState,
     BlockKV,
@@ -25,6 +23,8 @@ from sidecar.protocol import (
     GroupKind,
     Hit,
 )
+from sidecar.core.time_limits import AdapterTimeout
+from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from tests.toy import ToyAdapter, ToyEngine
 
 
@@ -54,7 +54,7 @@ def test_engine_info_names_unknown_groups_clearly():
 
 
 def test_hybrid_hits_are_sampled_per_group():
-    from sidecar.sampling import UniformSampler
+    from sidecar.core.sampling import UniformSampler
 
     hit = Hit(list(range(64)), 64, {0: [1, 2, 3, 4], 1: [9, 10, 11, 12]})
     refs = UniformSampler(1).choose(hit, 16, 2)
@@ -128,7 +128,7 @@ def test_every_shipped_adapter_has_the_protocol_signatures():
 
 
 def test_the_monitor_has_the_event_sink_signatures():
-    from sidecar.protocol import BlockLifecycleSink, EventSink
+    from sidecar.core.protocol import BlockLifecycleSink, EventSink
 
     assert check_protocol(Monitor, EventSink) == []
     assert check_protocol(Monitor, BlockLifecycleSink) == []
@@ -217,7 +217,7 @@ def test_compatible_variations_conform():
 def test_the_radix_test_adapter_has_the_protocol_signatures():
     """The second cache shape (tests/radix_adapter.py: a radix tree over a token-slot pool)
     conforms like the shipped adapters, allocator introspection included."""
-    from sidecar.protocol import AllocatorIntrospection
+    from sidecar.core.protocol import AllocatorIntrospection
     from tests.radix_adapter import RadixAdapter
     from tests.radix_engine import RadixEngine
 

@@ -18,8 +18,8 @@ import torch
 
 from sidecar import signals as S
 from sidecar.allocator.invariants import check_snapshot
-from sidecar.monitor import Monitor
-from sidecar.protocol import BlockRef, Lookup, StoredBlock
+from sidecar.core.monitor import Monitor
+from sidecar.core.protocol import BlockRef, Lookup, StoredBlock
 from sidecar.signals import AnomalyKind, DropReason, InvariantKind
 from tests.radix_adapter import RadixAdapter
 from tests.radix_engine import RadixEngine, Request
@@ -114,7 +114,7 @@ def test_the_adapter_is_small_and_uses_the_public_protocol_only() -> None:
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     sidecar_modules = {m for m in imported if m.startswith("sidecar")}
     # The protocol, and the prefix digest its StoredBlock docstring names.
-    assert sidecar_modules == {"sidecar.protocol", "sidecar.checks.keys"}
+    assert sidecar_modules == {"sidecar.core.protocol", "sidecar.checks.keys"}
 
 
 class _Recorder:

@@ -19,7 +19,7 @@ from sidecar.adapters.vllm.hashing import external, hash_block, hash_function, n
 from sidecar.adapters.vllm.receiver import MAX_DROP_STEP, ProbeReceiver
 from sidecar.adapters.vllm.subscriber import EventSubscriber
 from sidecar.adapters.vllm.wire import WireError, pack, tensor_from
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 
 BS = 4
 
@@ -53,7 +53,7 @@ def test_unlisted_dtype_is_refused_not_a_native_crash() -> None:
 import sys
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import WireError, pack, tensor_from
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 try:
     tensor_from(bytes(128), "qint8", [2, 2, 4, 8])
     sys.exit(3)

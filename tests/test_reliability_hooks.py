@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import pytest
 
 from sidecar import signals as S
-from sidecar.evidence import EvidenceLog
-from sidecar.guard import AdapterRefused, AdapterTimeout, Guard
-from sidecar.health import monitor_health
-from sidecar.hook_input import check_lookup
-from sidecar.protocol import BlockKV, BlockRef, Hit, Lookup
-from sidecar.server import SidecarServer
+from sidecar.core.health import monitor_health
+from sidecar.core.hook_input import check_lookup
+from sidecar.core.protocol import BlockKV, BlockRef, Hit, Lookup
+from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
+from sidecar.evidence.record import EvidenceLog
+from sidecar.export.server import SidecarServer
 from tests.conftest import make_toy
 
 PROMPT = list(range(1, 17))  # 4 full blocks of 4
@@ -112,7 +112,7 @@ def test_evidence_tmp_leftovers_are_settled_deterministically(tmp_path) -> None:
 
 
 def test_evidence_files_private_fields_capped_secrets_hashed(tmp_path) -> None:
-    from sidecar.verifier import Sample, Verdict
+    from sidecar.checks.verifier import Sample, Verdict
 
     hit = Hit(PROMPT, 16, {0: [1, 2, 3, 4]},
               key_fields={"cache_salt": "s3cret-salt", "adapter": "k" * 5_000_000})
@@ -251,7 +251,7 @@ def test_healthz_reports_a_dead_verifier() -> None:
 
 
 def test_opt_in_bearer_token_guards_status(tmp_path, monkeypatch) -> None:
-    from sidecar.server import load_token
+    from sidecar.export.server import load_token
 
     path = tmp_path / "token"
     path.write_text("t0ken\n")
@@ -275,7 +275,7 @@ def test_garbage_allocator_state_cannot_break_every_scrape() -> None:
     made every /metrics scrape and /status raise."""
     from prometheus_client import generate_latest
 
-    from sidecar.protocol import AllocatorState
+    from sidecar.core.protocol import AllocatorState
 
     _, adapter, mon = make_toy()
     for garbage in ([object(), None], AllocatorState(8, "x", 0, 0, 0, 0, 0)):  # type: ignore[arg-type]

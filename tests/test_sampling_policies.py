@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from sidecar.protocol import Hit, StoredBlock
-from sidecar.sampling import (
+from sidecar.core.protocol import Hit, StoredBlock
+from sidecar.core.sampling import (
     AdaptiveSampler,
     BoundaryBiasedSampler,
     UniformSampler,
@@ -144,7 +144,7 @@ def test_policies_validate_their_knobs() -> None:
 
 
 def test_monitor_forwards_cache_events_to_a_learning_sampler():
-    from sidecar.sampling import BoundaryBiasedSampler
+    from sidecar.core.sampling import BoundaryBiasedSampler
     from tests.conftest import make_toy
 
     engine, _, mon = make_toy()
@@ -163,7 +163,7 @@ def test_monitor_forwards_cache_events_to_a_learning_sampler():
             seen.append("release")
             super().observe_release(group_id, seq_id, block_ids)
 
-    from sidecar.monitor import Monitor
+    from sidecar.core.monitor import Monitor
     spy_mon = Monitor(mon.adapter, mon.config, sampler=Spy(every=1, block_size=4))
     engine.sink = spy_mon
     engine.serve(list(range(8)))

@@ -1,4 +1,4 @@
-"""The background scrub (sidecar/scrub.py) on the real reference engine: it finds a fault in
+"""The background scrub (sidecar/checks/scrub.py) on the real reference engine: it finds a fault in
 an entry nobody hits again, stays within its recompute budget, skips under load, jumps the
 queue for blocks near an anomaly or back from a tier, and differs between replicas."""
 
@@ -10,12 +10,12 @@ import pytest
 
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.checks.scrub import Scrubber, ScrubSettings
+from sidecar.checks.scrub_budget import RecomputeBudget
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import TierState
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import TierState
-from sidecar.scrub import Scrubber, ScrubSettings
-from sidecar.scrub_budget import RecomputeBudget
 from tests.reference_helpers import SMALL_POOL
 
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.

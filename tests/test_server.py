@@ -4,7 +4,7 @@ import json
 import urllib.request
 
 from sidecar import signals as S
-from sidecar.server import SidecarServer
+from sidecar.export.server import SidecarServer
 from tests.conftest import make_toy
 
 

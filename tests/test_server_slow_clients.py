@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
-from sidecar.server import SidecarServer, load_token
+from sidecar.export.server import SidecarServer, load_token
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

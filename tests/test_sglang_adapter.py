@@ -46,7 +46,7 @@ def _wait(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def
 def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
     from sidecar.adapters.vllm.receiver import ProbeReceiver
     from sidecar.adapters.vllm.wire import Capture
-    from sidecar.metrics import Metrics
+    from sidecar.export.metrics import Metrics
 
     got: dict[str, list] = {"lookups": [], "capture": [], "stores": [], "frees": [],
                             "census": []}
@@ -134,7 +134,7 @@ def test_engine_args_name_the_backend_and_the_tap_config(capsys: pytest.CaptureF
     import json
     import shlex
 
-    from sidecar.cli import main
+    from sidecar.cli.main import main
 
     assert main(["sglang", "engine-args", "--probe", "ipc:///tmp/kvs-x.sock",
                  "--sample-every", "10"]) == 0

@@ -12,14 +12,14 @@ from prometheus_client import CollectorRegistry
 from sidecar import signals as S
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.adapters.vllm.service import VllmSidecar, hello_build
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Hit
+from sidecar.core.sampling import AdaptiveSampler, Burst, UniformSampler
+from sidecar.core.store_index import StoreIndex
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.sequence import Request
-from sidecar.metrics import Metrics
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.outlook import DetectionOutlook
-from sidecar.protocol import Hit
-from sidecar.sampling import AdaptiveSampler, Burst, UniformSampler
-from sidecar.store_index import StoreIndex
+from sidecar.export.metrics import Metrics
+from sidecar.export.outlook import DetectionOutlook
 
 HIT = Hit(tokens=[1] * 40, hit_tokens=32, blocks={0: [1, 2]})
 

@@ -12,19 +12,19 @@ from prometheus_client import generate_latest
 
 from sidecar import signals as S
 from sidecar.bench.harness import Scenario, run_many
-from sidecar.calibration import Calibration, CalibrationConfig
-from sidecar.cli import main
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef, Hit
-from sidecar.signals import AnomalyKind
-from sidecar.tolerance import (
+from sidecar.checks.calibration import Calibration, CalibrationConfig
+from sidecar.checks.tolerance import (
     MEASURED_MINIMUMS,
     MIN_ULPS,
     min_tolerance,
     parse_override,
     tolerance_for,
 )
+from sidecar.cli.main import main
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef, Hit
+from sidecar.engines.reference.faults import FAULTS
+from sidecar.signals import AnomalyKind
 from tests.toy import BS, ToyAdapter, ToyEngine, reference_kv
 
 
@@ -238,9 +238,9 @@ def test_storage_downcast_caught_in_bfloat16_only_under_the_calibrated_tolerance
 
 def test_tolerance_flags_reach_the_sidecar_config_of_demo_and_vllm_serve() -> None:
     from sidecar.adapters.vllm.cli import parser as vllm_parser
-    from sidecar.cli import build_parser
+    from sidecar.checks.tolerance import config_fields
+    from sidecar.cli.main import build_parser
     from sidecar.demo import DemoOptions, build
-    from sidecar.tolerance import config_fields
 
     args = build_parser().parse_args(["demo", "--tolerance", "bfloat16=0.1", "--tolerance",
                                       "engine:float32=1e-5", "--calibrate", "32",

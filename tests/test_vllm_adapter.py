@@ -37,9 +37,9 @@ from sidecar.adapters.vllm.wire import (
     reference_salt,
     unpack,
 )
-from sidecar.metrics import Metrics
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import AdapterError, BlockRef
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import AdapterError, BlockRef
+from sidecar.export.metrics import Metrics
 
 METRICS_TEXT = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 

@@ -33,7 +33,7 @@ from sidecar.adapters.vllm.hashing import (
     none_hash,
 )
 from sidecar.adapters.vllm.subscriber import EventSubscriber
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 
 DATA = Path(__file__).parent / "data" / "vllm_events"
 NEEDS = {"sha256_cbor": "cbor2", "xxhash": "xxhash", "xxhash_cbor": "xxhash"}

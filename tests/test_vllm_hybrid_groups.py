@@ -26,8 +26,8 @@ from sidecar.adapters.vllm.state_layout import (
     validate_state_layout,
 )
 from sidecar.adapters.vllm.wire import capture_fields, decode_capture, pack, unpack
-from sidecar.coverage import required_blocks
-from sidecar.protocol import BlockRef, CacheGroup, GroupKind, Hit
+from sidecar.checks.group_coverage import required_blocks
+from sidecar.core.protocol import BlockRef, CacheGroup, GroupKind, Hit
 
 GEMMA2 = {"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 64,
           "layer_types": ["sliding_attention", "full_attention"] * 2}

@@ -15,7 +15,7 @@ import pytest
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.prefix_reset import PrefixCacheReset, ResetSettings
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 
 
 class FakeVllm:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sidecar.protocol import (
+from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,

@@ -90,8 +90,8 @@ def main() -> None:
 
     from sidecar import signals as S
     from sidecar.adapters.lmcache import HFChunkReference, LMCacheAdapter, LMCacheMonitor
-    from sidecar.monitor import SidecarConfig
-    from sidecar.server import SidecarServer
+    from sidecar.core.monitor import SidecarConfig
+    from sidecar.export.server import SidecarServer
 
     dtype = getattr(torch, a.dtype)
     model = tiny_llama(dtype)

@@ -38,7 +38,7 @@ def main() -> None:
     from sidecar.adapters.vllm.engine_config import llm_kwargs, llm_submit
     from sidecar.adapters.vllm.metrics_bridge import registry_source
     from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
-    from sidecar.monitor import SidecarConfig
+    from sidecar.core.monitor import SidecarConfig
 
     run = tempfile.mkdtemp(prefix="kvsidecar-")
     probe, events, replay = (f"ipc://{run}/{n}.sock" for n in ("probe", "events", "replay"))
@@ -53,7 +53,7 @@ def main() -> None:
         submit=(lambda tokens, salt: llm_box["submit"](tokens, salt)) if engine_ref else None,
         metrics_source=registry_source()).start()
     if a.port:
-        from sidecar.server import SidecarServer
+        from sidecar.export.server import SidecarServer
 
         SidecarServer(sidecar.metrics.registry, sidecar.summary, port=a.port).start()
 

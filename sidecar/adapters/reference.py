@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar.capture_buffer import CaptureBuffer
-from sidecar.engines.reference.blocks import chain_hash
-from sidecar.engines.reference.engine import GROUP_ID, KEY_FIELD_NAMES, ReferenceEngine
-from sidecar.protocol import (
+from sidecar.core.capture_buffer import CaptureBuffer
+from sidecar.core.protocol import (
     AdapterError,
     AllocatorState,
     BlockKV,
@@ -25,16 +23,18 @@ from sidecar.protocol import (
     Hit,
     SequenceId,
 )
+from sidecar.engines.reference.blocks import chain_hash
+from sidecar.engines.reference.engine import GROUP_ID, KEY_FIELD_NAMES, ReferenceEngine
 
 
 class ReferenceAdapter:
-    """Implements :class:`sidecar.protocol.Adapter` and
-    :class:`sidecar.protocol.AllocatorIntrospection` for a :class:`ReferenceEngine`."""
+    """Implements :class:`sidecar.core.protocol.Adapter` and
+    :class:`sidecar.core.protocol.AllocatorIntrospection` for a :class:`ReferenceEngine`."""
 
     def __init__(self, engine: ReferenceEngine, capture_slots: int | None = None) -> None:
         self.engine = engine
         # Match-time captures go to a bounded buffer on the pool's device (async on CUDA,
-        # see sidecar.capture_buffer): by default on a device pool only; ``capture_slots``
+        # see sidecar.core.capture_buffer): by default on a device pool only; ``capture_slots``
         # sets its size (and turns it on for a CPU pool). Quantised pools keep read_block.
         self.capture_buffer = _capture_buffer(engine, capture_slots)
         mc = engine.config.model
@@ -170,8 +170,8 @@ class ReferenceAdapter:
             ),)
 
     # ------------------------------------------------------------------ scrub and actions
-    # Optional capabilities (sidecar.protocol.ScrubSource, Evictor; sidecar/scrub.py and
-    # sidecar/actions.py), plus busy() for the scrub's load check.
+    # Optional capabilities (sidecar.core.protocol.ScrubSource, Evictor; sidecar/checks/scrub.py and
+    # sidecar/protect/actions.py), plus busy() for the scrub's load check.
     def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
         """A hit ending with ``block_id``, rebuilt from the pool's own index: each block's
         parent is the indexed block one block earlier whose chained hash, extended by this

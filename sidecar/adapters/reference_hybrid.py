@@ -16,9 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from sidecar.adapters.reference import recompute_end
-from sidecar.engines.reference.hybrid_engine import HybridEngine
-from sidecar.engines.reference.sequence import KEY_FIELD_NAMES
-from sidecar.protocol import (
+from sidecar.core.protocol import (
     AdapterError,
     AllocatorState,
     BlockKV,
@@ -29,11 +27,13 @@ from sidecar.protocol import (
     Hit,
     SequenceId,
 )
+from sidecar.engines.reference.hybrid_engine import HybridEngine
+from sidecar.engines.reference.sequence import KEY_FIELD_NAMES
 
 
 class HybridReferenceAdapter:
-    """Implements :class:`sidecar.protocol.Adapter` and
-    :class:`sidecar.protocol.AllocatorIntrospection` for a :class:`HybridEngine`."""
+    """Implements :class:`sidecar.core.protocol.Adapter` and
+    :class:`sidecar.core.protocol.AllocatorIntrospection` for a :class:`HybridEngine`."""
 
     def __init__(self, engine: HybridEngine) -> None:
         self.engine = engine

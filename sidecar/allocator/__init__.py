@@ -2,15 +2,15 @@
 leak detection, and event-driven polling (seed 001 §3.2, §4.2, §4.3, §5.4, §6.3, §7.3).
 
 The sidecar does the checking, engine-agnostically: an adapter that offers
-:class:`~sidecar.protocol.AllocatorIntrospection` hands over plain snapshots of its block
+:class:`~sidecar.core.protocol.AllocatorIntrospection` hands over plain snapshots of its block
 tables and the checks here recompute who holds what; nothing asks the engine whether it
 thinks it is healthy.
 """
 
-from sidecar.allocator.health import AllocatorHealth, allocation_failure_rate
 from sidecar.allocator.invariants import Violation, check_counts, check_snapshot, unheld_references
 from sidecar.allocator.leak import LeakTrend, unheld_from_state
 from sidecar.allocator.lifecycle import LifecycleEvent, LifecycleLog, LifecycleOp
+from sidecar.allocator.poll_health import AllocatorHealth, allocation_failure_rate
 from sidecar.allocator.trigger import PollTrigger
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Fills a reference :class:`~sidecar.engines.reference.pool.BlockPool` the way a busy engine
 does (live sequences sharing prefix blocks, an evictable cached tail, a free remainder),
-then times, per pool size, taking a :class:`~sidecar.protocol.BlockTableSnapshot` (what the
+then times, per pool size, taking a :class:`~sidecar.core.protocol.BlockTableSnapshot` (what the
 adapter does under the engine's lock) and checking it (what the poll thread does). Prints a
 table, and JSON with ``--json``. A benchmark, not a test: nothing is asserted.
 """
@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 
 from sidecar.allocator.invariants import check_snapshot, unheld_references
+from sidecar.core.protocol import BlockTableSnapshot, SequenceId
 from sidecar.engines.reference.pool import BlockPool, chain_hash
-from sidecar.protocol import BlockTableSnapshot, SequenceId
 
 
 def busy_pool(num_blocks: int, seed: int = 0) -> tuple[BlockPool, dict[int, tuple[int, ...]]]:

@@ -1,7 +1,7 @@
 """Allocator invariants, checked by the sidecar on a snapshot of the engine's block pool.
 
-Pure functions: a :class:`~sidecar.protocol.BlockTableSnapshot` (or an
-:class:`~sidecar.protocol.AllocatorState`) in, a list of :class:`Violation` out, each named by
+Pure functions: a :class:`~sidecar.core.protocol.BlockTableSnapshot` (or an
+:class:`~sidecar.core.protocol.AllocatorState`) in, a list of :class:`Violation` out, each named by
 an :class:`~sidecar.signals.InvariantKind`. Nothing here trusts the engine's own opinion of
 who holds a block: *holders* are recomputed from the live sequences' block tables, which is
 what the model actually reads through. One pass over the blocks, the block tables and the
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from sidecar.protocol import AllocatorState, BlockTableSnapshot
+from sidecar.core.protocol import AllocatorState, BlockTableSnapshot
 from sidecar.signals import InvariantKind as K
 
 

@@ -8,12 +8,12 @@ with it while the live sequences do not grow.
 
 Each poll contributes one number, ``unheld``:
 
-* with a block-table snapshot (:class:`~sidecar.protocol.AllocatorIntrospection`): the sum
+* with a block-table snapshot (:class:`~sidecar.core.protocol.AllocatorIntrospection`): the sum
   over blocks of ref count minus live block-table references, where positive
   (:func:`sidecar.allocator.invariants.unheld_references`). References, not blocks: a
   leaked block that stays indexed is hit and held by live sequences now and then, so a
   count of blocks nobody holds dips, while its leaked reference stays;
-* else, from :class:`~sidecar.protocol.AllocatorState`: ``used_blocks - held_blocks`` when
+* else, from :class:`~sidecar.core.protocol.AllocatorState`: ``used_blocks - held_blocks`` when
   the engine reports ``held_blocks``; or ``used_blocks`` at a poll with
   ``live_sequences == 0`` (an idle engine should hold nothing); otherwise the poll says
   nothing and is skipped.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from sidecar.protocol import AllocatorState
+from sidecar.core.protocol import AllocatorState
 
 
 def unheld_from_state(state: AllocatorState) -> int | None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.protocol import SequenceId
+from sidecar.core.protocol import SequenceId
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """Event-driven allocator polls: the engine's hooks nudge, a thread of ours polls.
 
-The schedule (APScheduler, :mod:`sidecar.poller`) polls every second or so; a bug that frees a
+The schedule (APScheduler, :mod:`sidecar.allocator.poller`) polls every second or so; a bug that
+frees a
 block on request N and lets it be reused on request N+1 needs a check in between. So the
 hooks that mark a moment where allocator bugs strike (a sequence releasing its blocks, a
 request finishing, an anomaly) call :meth:`PollTrigger.nudge`: one ``Event.set()``, O(1) on

@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Entry point from :mod:`sidecar.cli`; returns the exit code."""
+    """Entry point from :mod:`sidecar.cli.main`; returns the exit code."""
     if getattr(args, "bench", None) == "detection":
         from sidecar.bench.detection import run
 

@@ -28,7 +28,7 @@ from sidecar.bench.fuzz import FuzzResult
 _PARENT = """
 import os, sys
 import torch
-from sidecar.evidence import EvidenceLog, tensor_key
+from sidecar.evidence.record import EvidenceLog, tensor_key
 d, capacity, max_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for line in sys.stdin:
     run = int(line)
@@ -60,7 +60,7 @@ for line in sys.stdin:
 def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
                 max_bytes: int = 4 * 2**20) -> FuzzResult:
     """``cycles`` SIGKILLs of an evidence writer, each followed by the restart's check."""
-    from sidecar.evidence import EvidenceLog
+    from sidecar.evidence.record import EvidenceLog
 
     rng = random.Random(seed)
     res = FuzzResult("evidence_sigkill", f"SIGKILL/restart cycles writing evidence records "
@@ -123,7 +123,7 @@ def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
 
 def _check_dir(d: Path) -> tuple[list[str], dict[int, tuple[int, int]], int]:
     """(bad files, seq -> (run, i) of each complete record, bytes on disk)."""
-    from sidecar.safetensors_io import SafetensorsError, loads
+    from sidecar.evidence.safetensors_io import SafetensorsError, loads
 
     names = set(os.listdir(d))
     bad = [n for n in names if not n.endswith((".json", ".safetensors"))]

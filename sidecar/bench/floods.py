@@ -19,9 +19,9 @@ def _p99(xs: list[float]) -> float:
 
 def reference(sample_every: int = 1000, timeout_s: float = 0.2) -> tuple[Any, Any]:
     from sidecar.adapters.reference import ReferenceAdapter
+    from sidecar.core.monitor import Monitor, SidecarConfig
     from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
     from sidecar.engines.reference.model import ModelConfig
-    from sidecar.monitor import Monitor, SidecarConfig
 
     engine = ReferenceEngine(EngineConfig(model=ModelConfig(dtype="float32", seed=0),
                                           num_blocks=128, kv_digest=True))
@@ -35,8 +35,8 @@ def reference(sample_every: int = 1000, timeout_s: float = 0.2) -> tuple[Any, An
 
 def good_lookup(engine: Any) -> Any:
     """A real hit from the reference engine (its Lookup, as the engine handed it over)."""
+    from sidecar.core.protocol import Lookup
     from sidecar.engines.reference.engine import Request
-    from sidecar.protocol import Lookup
 
     seen: list[Any] = []
     sink, real = engine.sink, engine.sink.on_lookup
@@ -101,7 +101,7 @@ def hook_flood(n: int, seed: int = 0) -> dict[str, Any]:
     # Break 7, for the record: an unsampled 128k-token hit should cost what a short one
     # does. The Monitor's lifecycle log still walks the hit's blocks (owner: the Core v2
     # refactor of monitor.py), so this is reported, not asserted.
-    from sidecar.protocol import Hit, Lookup
+    from sidecar.core.protocol import Hit, Lookup
 
     long_tokens = 128 * 1024
     bs = mon.info.block_size
@@ -123,7 +123,7 @@ def label_flood(batches: int) -> dict[str, Any]:
     """Every batch names a new medium and group: the series count must stay bounded."""
     from sidecar.adapters.vllm.audit import EventAuditor
     from sidecar.adapters.vllm.events import decode_message, encode_batch
-    from sidecar.metrics import Metrics
+    from sidecar.export.metrics import Metrics
 
     m = Metrics("flood", "labels")
     a = EventAuditor(m, groups=[0])
@@ -143,7 +143,7 @@ def http_flood(idle: int, scrapers: int) -> dict[str, Any]:
     """``idle`` connections that never send, then ``scrapers`` concurrent /metrics GETs."""
     import urllib.request
 
-    from sidecar.server import SidecarServer
+    from sidecar.export.server import SidecarServer
 
     _engine, mon = reference()
 

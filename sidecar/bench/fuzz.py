@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 
 from sidecar import signals as S
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 
 
 class IncTally:
@@ -237,7 +237,7 @@ def fuzz_probe(n: int, seed: int = 0) -> FuzzResult:
 # ---------------------------------------------------------------- hook objects
 def hostile_hook_call(rng: random.Random, good: Any) -> tuple[str, tuple[Any, ...]]:
     """One hook call with hostile arguments; ``good`` is a valid Lookup to mutate."""
-    from sidecar.protocol import Hit, Lookup, StoredBlock
+    from sidecar.core.protocol import Hit, Lookup, StoredBlock
 
     def v() -> Any:  # hostile on purpose: the hooks must take any object
         return hostile_values(rng) if rng.random() < 0.7 else rng.randint(0, 64)
@@ -337,8 +337,8 @@ def _exchange(server: Any, request: bytes) -> bytes:
 
 def _serve_one(server: Any, sock: socket.socket) -> None:
     """What the server does with one connection, on this thread: the reception's read and
-    verdict (:func:`sidecar.http_reception.examine`), then the real handler."""
-    from sidecar.http_reception import HEALTHZ, MORE, Connection, examine, healthz_answer
+    verdict (:func:`sidecar.export.http_reception.examine`), then the real handler."""
+    from sidecar.export.http_reception import HEALTHZ, MORE, Connection, examine, healthz_answer
 
     conn = Connection(sock, ("127.0.0.1", 0), time.monotonic() + 1.0)
     verdict: str | bytes = MORE

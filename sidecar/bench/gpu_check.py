@@ -32,16 +32,16 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.capture_buffer import CaptureBuffer
 from sidecar.checks.content import check_content
 from sidecar.checks.device_digest import device_digest
 from sidecar.checks.recompute import block_error
-from sidecar.device import DeviceUnavailable, resolve_device
+from sidecar.core.capture_buffer import CaptureBuffer
+from sidecar.core.device import DeviceUnavailable, resolve_device
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import BlockKV, BlockRef
 
 # An 8B-class bf16 block: 32 layers x 8 KV heads x 16 tokens x 128 (2 MiB of K and V).
 BLOCK = (32, 8, 16, 128)
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     # Each caught fault is logged by the reporter; the table counts them instead.
-    logging.getLogger("sidecar.report").setLevel(logging.ERROR)
+    logging.getLogger("sidecar.core.report").setLevel(logging.ERROR)
     try:
         resolve_device(args.device)
     except DeviceUnavailable as exc:

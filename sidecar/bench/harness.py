@@ -25,20 +25,20 @@ from typing import Any
 from sidecar import signals as S
 from sidecar.adapters.reference_hybrid import make_adapter
 from sidecar.allocator import allocation_failure_rate
-from sidecar.engines.reference.engine import EngineConfig
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.engines.reference.hybrid_engine import build_engine
-from sidecar.engines.reference.hybrid_model import model_config
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.metrics import fragmentation_ratio
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import CacheGroup, Hit, Lookup, SequenceId, StoredBlock
-from sidecar.sampling import (
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import CacheGroup, Hit, Lookup, SequenceId, StoredBlock
+from sidecar.core.sampling import (
     AdaptiveSampler,
     BoundaryBiasedSampler,
     Sampler,
     UniformSampler,
 )
+from sidecar.engines.reference.engine import EngineConfig
+from sidecar.engines.reference.faults import FAULTS
+from sidecar.engines.reference.hybrid_engine import build_engine
+from sidecar.engines.reference.hybrid_model import model_config
+from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
+from sidecar.export.metrics import fragmentation_ratio
 from sidecar.signals import THRESHOLDS
 
 ALL_BLOCKS = 1 << 20  # blocks_per_sample that makes every block of a sampled hit verified

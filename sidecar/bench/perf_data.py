@@ -16,7 +16,7 @@ import torch
 from sidecar.checks.content import check_content
 from sidecar.checks.fingerprint import kv_digest
 from sidecar.checks.recompute import block_error
-from sidecar.protocol import BlockKV, BlockRef
+from sidecar.core.protocol import BlockKV, BlockRef
 
 # name -> (layers, kv heads, tokens per block, head dim, dtype); the label's byte count is
 # computed from the shape (K and V together), never written by hand.
@@ -147,7 +147,7 @@ def event_ingestion(n_events: int = 100_000, per_batch: int = 16,
 
         from sidecar.adapters.vllm.audit import EventAuditor
         from sidecar.adapters.vllm.events import decode_message
-        from sidecar.metrics import Metrics
+        from sidecar.export.metrics import Metrics
     except ImportError as exc:
         return {"error": f"needs the events extra (pip install 'kv-sidecar[events]'): {exc}"}
     messages, payloads = _event_messages(n_events, per_batch)

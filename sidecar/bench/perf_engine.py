@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from sidecar.adapters.reference import ReferenceAdapter
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Lookup
 from sidecar.engines.reference import (
     ChatWorkload,
     EngineConfig,
@@ -21,9 +24,6 @@ from sidecar.engines.reference import (
     WorkloadConfig,
     drive,
 )
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import Lookup
-from sidecar.verifier import Verdict
 
 # A realistic prefill for the "share of prefill" figure: an 8B dense model does about
 # 2 x 8e9 FLOPs per prompt token; 400 TFLOP/s is a sustained bf16 prefill on one H100-class

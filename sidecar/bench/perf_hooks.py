@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import (
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import (
     BlockKV,
     BlockRef,
     CacheGroup,
@@ -174,7 +174,7 @@ CASES: tuple[HookCase, ...] = (
 )
 
 # Each of these hooks appends to the cache-event journal; applying it later is work the
-# engine's process pays too (sidecar.journal), so their figure is hook + apply.
+# engine's process pays too (sidecar.core.journal), so their figure is hook + apply.
 JOURNALED = ("on_store", "on_free", "on_allocate", "on_release")
 
 
@@ -225,7 +225,7 @@ class _DiscardExporter:
 def time_otel(n: int, repeats: int) -> dict[str, Any]:
     """Unsampled on_lookup with OpenTelemetry push running (every 50 ms, on its own thread)
     vs without, interleaved per repeat."""
-    from sidecar.otel import OtelExporter
+    from sidecar.export.otel import OtelExporter
 
     case = CASES[0]
     args = case.args(n)

@@ -22,8 +22,8 @@ class CaptureVerifier:
 
     def __init__(self) -> None:
         from sidecar.adapters.vllm.adapter import VLLM_KEY_FIELDS, VllmAdapter
-        from sidecar.monitor import Monitor, SidecarConfig
-        from sidecar.protocol import CacheGroup, EngineInfo, GroupKind
+        from sidecar.core.monitor import Monitor, SidecarConfig
+        from sidecar.core.protocol import CacheGroup, EngineInfo, GroupKind
 
         info = EngineInfo(engine="vllm", model="fuzz", revision="local", dtype="float32",
                           block_size=4, num_kv_heads=1, head_dim=2,

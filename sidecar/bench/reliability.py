@@ -92,10 +92,10 @@ class FaultyAdapter:
 
 def adapter_faults(requests: int, seed: int = 0) -> FuzzResult:
     from sidecar.adapters.reference import ReferenceAdapter
+    from sidecar.core.health import monitor_health
+    from sidecar.core.monitor import Monitor, SidecarConfig
     from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request
     from sidecar.engines.reference.model import ModelConfig
-    from sidecar.health import monitor_health
-    from sidecar.monitor import Monitor, SidecarConfig
 
     engine = ReferenceEngine(EngineConfig(model=ModelConfig(dtype="float32", seed=0),
                                           num_blocks=128, kv_digest=True))
@@ -162,8 +162,8 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
     try:
         _progress("hook_objects, http_requests")
         rows.append(fuzz_hooks(mon, good_lookup(engine), n, seed + 2))
-        from sidecar.health import monitor_health
-        from sidecar.server import SidecarServer
+        from sidecar.core.health import monitor_health
+        from sidecar.export.server import SidecarServer
 
         srv = SidecarServer(mon.metrics.registry, mon.summary, port=0,
                             health=lambda: monitor_health(mon), timeout_s=1.0)

@@ -27,7 +27,7 @@ _VALUES = ["true", '"x"', "[]", "{}", '"' + "y" * 5000 + '"', "[1, 2]", "{float3
 
 
 def _keys() -> tuple[list[Any], Any]:
-    from sidecar.config_schema import build_schema
+    from sidecar.config.schema import build_schema
 
     schema = build_schema()
     return list(schema.keys()), schema
@@ -84,8 +84,8 @@ def _env(rng: random.Random, keys: list[Any]) -> dict[str, str]:
 
 def _answered(load_case: Any) -> str:
     """"accepted", "refused", or raises (a traceback: escaped)."""
-    from sidecar.config import SidecarConfig
-    from sidecar.config_layers import ConfigError
+    from sidecar.config.layers import ConfigError
+    from sidecar.config.settings import SidecarConfig
 
     try:
         values = load_case()
@@ -107,8 +107,8 @@ def fuzz_config(n: int, seed: int = 0) -> tuple[FuzzResult, FuzzResult]:
     """``n`` hostile files (plus directories and special files) and ``n`` hostile
     environments, through the layers every command loads (file, env, ``[sidecar]``
     checks)."""
-    from sidecar.config_cli import sidecar_problems
-    from sidecar.config_layers import ConfigError, load
+    from sidecar.config.cli import sidecar_problems
+    from sidecar.config.layers import ConfigError, load
 
     keys, schema = _keys()
     sidecar_keys = list(schema.sections["sidecar"].values())

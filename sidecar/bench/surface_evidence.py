@@ -28,11 +28,11 @@ import torch
 from sidecar.bench.fuzz import mutate_bytes
 from sidecar.bench.fuzz import mutate_obj as _mutate_obj
 from sidecar.bench.surfaces import SurfaceResult
-from sidecar.evidence import EvidenceLog, record_name, tensor_key, tensors_name
-from sidecar.evidence_cli import EvidenceError, format_list, summary_line, write_plot
-from sidecar.evidence_files import EvidenceDirRefused
-from sidecar.evidence_read import read_record, scan_records
-from sidecar.safetensors_io import DTYPES, SafetensorsError, dumps, loads
+from sidecar.evidence.cli import EvidenceError, format_list, summary_line, write_plot
+from sidecar.evidence.files import EvidenceDirRefused
+from sidecar.evidence.read import read_record, scan_records
+from sidecar.evidence.record import EvidenceLog, record_name, tensor_key, tensors_name
+from sidecar.evidence.safetensors_io import DTYPES, SafetensorsError, dumps, loads
 
 BATCH = 250
 SCAN_DEADLINE_S = 60.0  # one batch scan; a blocking read (a FIFO) would pass it

@@ -65,7 +65,7 @@ def auth_variants(n: int, seed: int = 0) -> FuzzResult:
     never a hang, a 500 or a wrong accept."""
     from prometheus_client import CollectorRegistry
 
-    from sidecar.server import SidecarServer
+    from sidecar.export.server import SidecarServer
 
     res = FuzzResult("bearer_auth", "bare token, other schemes, case, whitespace, prefixes, "
                                     "suffixes, non-ASCII, NUL, 8 KB, duplicate headers")
@@ -98,7 +98,7 @@ def slow_clients(seconds: float, connections: int = 66, every_s: float = 0.3,
     and /metrics are fetched back to back throughout. Reports the worst /healthz time."""
     from prometheus_client import CollectorRegistry
 
-    from sidecar.server import SidecarServer
+    from sidecar.export.server import SidecarServer
 
     srv = SidecarServer(CollectorRegistry(), dict, port=0, timeout_s=timeout_s).start()
     socks: list[socket.socket | None] = [None] * connections
@@ -223,9 +223,9 @@ def scrape_storm(requests_per_block: int, blocks: int = 4, scrapers: int = 32,
     """The reference engine serving requests (the sidecar attached, sampling 1 in 4, its
     HTTP server up), in alternating quiet and storm blocks: request P99 in each."""
     from sidecar.bench.floods import _p99, reference
+    from sidecar.core.health import monitor_health
     from sidecar.engines.reference.engine import Request
-    from sidecar.health import monitor_health
-    from sidecar.server import SidecarServer
+    from sidecar.export.server import SidecarServer
 
     engine, mon = reference(sample_every=4)
     srv = SidecarServer(mon.metrics.registry, mon.summary, port=0,

@@ -48,7 +48,7 @@ def otlp_endpoints(quick: bool, seed: int) -> SurfaceResult:
     res = SurfaceResult("otlp_endpoints", "OTLP receiver down / silent / HTTP 500 while "
                         "the reference engine serves -> OtlpPush", min_cases=3 * exports)
     try:
-        from sidecar.extras import require
+        from sidecar.core.extras import require
 
         require("otlp")
     except Exception as exc:  # the extra is missing: say so, and do not pass
@@ -72,9 +72,9 @@ def otlp_endpoints(quick: bool, seed: int) -> SurfaceResult:
 
 
 def _one(res: SurfaceResult, url: str, exports: int, engine: Any, mon: Any) -> dict[str, Any]:
+    from sidecar.core.health import monitor_health
     from sidecar.engines.reference.engine import Request
-    from sidecar.health import monitor_health
-    from sidecar.otel_push import OtlpPush
+    from sidecar.export.otel_push import OtlpPush
 
     # Exports driven below, one by one; a short timeout keeps a dead receiver's wait short.
     push = OtlpPush(mon.metrics.registry, url, interval_s=3600,

@@ -15,7 +15,7 @@ a fraction of the server's load), :mod:`.exporter` (signals), :mod:`.runner` (th
 :mod:`.replay` (the optional replay proxy) and :mod:`.cli`.
 
 The request path (endpoint, client, probes, compare, audit, load) is standard
-library only; the exporter reuses the sidecar's :class:`~sidecar.metrics.Metrics`, so the
+library only; the exporter reuses the sidecar's :class:`~sidecar.export.metrics.Metrics`, so the
 signals are the same series the in-process sidecar exports.
 """
 

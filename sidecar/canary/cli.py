@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:
         if args.port is not None:
-            from sidecar.server import SidecarServer
+            from sidecar.export.server import SidecarServer
 
             srv = SidecarServer(canary.exporter.metrics.registry,
                                 lambda: canary.report.as_dict(), host=args.host,

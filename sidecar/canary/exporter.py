@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from sidecar import signals as S
 from sidecar.canary.audit import PairAudit
 from sidecar.canary.client import Completion
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from sidecar.signals import AnomalyKind, AuditKind
 
 ENGINE = "canary"

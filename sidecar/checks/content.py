@@ -20,7 +20,7 @@ import math
 import torch
 
 from sidecar.checks.base import Finding
-from sidecar.protocol import BlockKV
+from sidecar.core.protocol import BlockKV
 from sidecar.signals import AnomalyKind
 
 # A real K/V block has essentially no exact zeros; a zeroed or uninitialised block has

@@ -3,7 +3,8 @@ real, usable state for the positions it must cover? No adapter call, no bytes re
 
 A prefix-hash hit only proves the prefix was computed once. In a hybrid model the request
 is served by every group together (vLLM's hybrid intersection), so for each group of
-:attr:`EngineInfo.groups` and each position :func:`sidecar.coverage.required_blocks` says
+:attr:`EngineInfo.groups` and each position :func:`sidecar.checks.group_coverage.required_blocks`
+says
 it must hold:
 
 * no block at all (the group is absent from the hit, or its list stops short) ->
@@ -27,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sidecar.checks.base import Finding
-from sidecar.coverage import is_null, required_blocks
-from sidecar.protocol import CacheGroup, EngineInfo, GroupKind, Hit, TierState
+from sidecar.checks.group_coverage import is_null, required_blocks
+from sidecar.core.protocol import CacheGroup, EngineInfo, GroupKind, Hit, TierState
 from sidecar.signals import AnomalyKind
 
 # Tier states a hit may be served from (see TierState).

@@ -28,7 +28,7 @@ import torch
 
 from sidecar.checks import device_digest
 from sidecar.checks.base import Finding
-from sidecar.protocol import BlockKV
+from sidecar.core.protocol import BlockKV
 from sidecar.signals import AnomalyKind
 
 Hasher = Callable[[memoryview, memoryview], str]

@@ -24,7 +24,7 @@ import torch
 
 from sidecar.checks.base import Finding
 from sidecar.checks.recompute import block_error, normalized_error
-from sidecar.protocol import BlockKV, BlockRef, CacheGroup, GroupKind
+from sidecar.core.protocol import BlockKV, BlockRef, CacheGroup, GroupKind
 from sidecar.signals import AnomalyKind
 
 # Earlier boundaries a recurrent state is compared with before calling it plain wrong.

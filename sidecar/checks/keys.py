@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from sidecar.checks.base import Finding
-from sidecar.protocol import BlockRef, Hit
+from sidecar.core.protocol import BlockRef, Hit
 from sidecar.signals import AnomalyKind
 
 ROOT_DIGEST = 0x6B7673696465636172  # "kvsidecar": the parent of every first block
@@ -54,7 +54,7 @@ class StoreRecord(NamedTuple):
     """What the monitor remembers of a stored block (bounded LRU, see Monitor).
 
     ``epoch`` is the sidecar's own count of store/free events seen for the block id (see
-    :mod:`sidecar.store_index`): a different epoch later means the block was freed or
+    :mod:`sidecar.core.store_index`): a different epoch later means the block was freed or
     stored again since, whatever stamps the engine keeps.
     """
 

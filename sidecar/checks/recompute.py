@@ -1,6 +1,6 @@
 """Recompute-and-compare: the cached block against a from-scratch computation, dtype-aware.
 
-The metric is scale-free (see :mod:`sidecar.tolerance`): ``max|cached - ref| / rms(ref)``
+The metric is scale-free (see :mod:`sidecar.checks.tolerance`): ``max|cached - ref| / rms(ref)``
 over K and V of all the group's layers.
 
 Three passes over the bytes and one temporary of the block's own size, no float32 copies:
@@ -21,7 +21,7 @@ import math
 import torch
 
 from sidecar.checks.base import Finding
-from sidecar.protocol import BlockKV
+from sidecar.core.protocol import BlockKV
 from sidecar.signals import AnomalyKind
 
 _EPS = 1e-12

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from sidecar.checks.base import Finding
-from sidecar.protocol import BlockKV, EngineInfo, GroupKind
+from sidecar.core.protocol import BlockKV, EngineInfo, GroupKind
 from sidecar.signals import AnomalyKind
 
 

@@ -2,5 +2,5 @@
 (:mod:`sidecar.protect.forward`), the cache-bypass breaker (:mod:`sidecar.protect.breaker`)
 and the guard proxy in front of an OpenAI server (:mod:`sidecar.protect.bypass_guard`).
 
-Not :mod:`sidecar.guard`, which is about time limits on adapter calls.
+Not :mod:`sidecar.core.time_limits`, which is about time limits on adapter calls.
 """

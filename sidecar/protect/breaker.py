@@ -10,7 +10,7 @@
   verdict (the server answered an error, or an answer the verifier could not compare):
   an upstream that fails every probe must not keep users on the cache for ever.
 
-Unlike :class:`sidecar.actions.CircuitBreaker` (K anomalies within a window, inside an
+Unlike :class:`sidecar.protect.actions.CircuitBreaker` (K anomalies within a window, inside an
 engine the sidecar drives), this one opens on the first anomaly: in front of a black-box
 server, one sampled anomaly stands for about ``sample_every`` wrong answers already served.
 """

@@ -21,7 +21,7 @@ What opens it (any of them):
 * an **operator**: ``POST /guard/open``, ``/guard/half-open``, ``/guard/close``.
 
 ``/guard/*`` needs ``Authorization: Bearer <token>`` when a token is set (the sidecar's
-server rules, :func:`sidecar.server.load_token`); ``GET /guard/status`` shows the state.
+server rules, :func:`sidecar.export.server.load_token`); ``GET /guard/status`` shows the state.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from sidecar.protect.breaker import BreakerSettings, BypassBreaker, Route, Source, State
 from sidecar.protect.forward import (
     ForwardApp,

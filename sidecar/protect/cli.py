@@ -120,7 +120,7 @@ def preflight(args: argparse.Namespace) -> tuple[Any, str | None]:
     non-loopback one needs --allow-remote) and the token (a non-loopback --listen or
     --metrics-host needs one). Returns the endpoint and the token; raises CanaryError or
     ValueError with a one-line reason. Deployment tests call it on a manifest's flags."""
-    from sidecar.server import load_token
+    from sidecar.export.server import load_token
 
     endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote,
                               "the guard forwards users' traffic to it and replays probes")
@@ -138,11 +138,11 @@ def _run(args: argparse.Namespace) -> int:
     from sidecar.canary.load import RateLimit
     from sidecar.canary.replay import ReplayVerifier
     from sidecar.canary.runner import CanaryConfig, make_canary
-    from sidecar.metrics import Metrics
+    from sidecar.export.metrics import Metrics
+    from sidecar.export.server import SidecarServer
     from sidecar.protect.breaker import BreakerSettings
     from sidecar.protect.bypass_guard import ENGINE, BypassGuard, GuardConfig
     from sidecar.protect.forward import ForwardLimits
-    from sidecar.server import SidecarServer
 
     endpoint, token = preflight(args)
     client = OpenAIClient(endpoint, args.model, 60.0)

@@ -180,7 +180,7 @@ def test_sglang_overlay_runs_the_canary_on_the_metrics_port() -> None:
     assert {"name": "metrics", "containerPort": int(flags["port"])} in canary["ports"]
     assert {v["name"] for v in spec["volumes"]}.isdisjoint({"ipc", "probe-python"})
     # The canary's command parses: the flags are the real CLI's.
-    from sidecar.cli import build_parser
+    from sidecar.cli.main import build_parser
 
     ns = build_parser().parse_args(["canary", *canary["command"][3:]])
     assert ns.host == "0.0.0.0" and ns.port == int(flags["port"])
@@ -232,7 +232,7 @@ def test_guard_command_line_parses_with_the_real_cli(tmp_path: Path) -> None:
     from the rendered Secret."""
     import argparse
 
-    from sidecar.cli import build_parser
+    from sidecar.cli.main import build_parser
 
     parser = build_parser()
     commands = {name for a in parser._actions if isinstance(a, argparse._SubParsersAction)
@@ -314,7 +314,7 @@ def test_guard_overlay_wiring_one_breaker_follows_the_engine_and_is_paged() -> N
     """One replica (a breaker is per process); the guard follows the engine pod's sidecar
     /status through a Service that selects that pod's metrics port; its /metrics is on a
     port the PodMonitor scrapes; page alerts reach its webhook with its own token."""
-    from sidecar.cli import build_parser
+    from sidecar.cli.main import build_parser
 
     objects = kustomize("overlays/guard")
     deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}

@@ -24,8 +24,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.lmcache import HFChunkReference, LMCacheAdapter, LMCacheMonitor
+from sidecar.core.monitor import SidecarConfig
 from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
-from sidecar.monitor import SidecarConfig
 
 _instances = itertools.count()
 

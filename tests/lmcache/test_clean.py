@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import signals as S
-from sidecar.tolerance import tolerance_for
+from sidecar.checks.tolerance import tolerance_for
 from tests.lmcache.harness import build
 
 pytestmark = pytest.mark.lmcache

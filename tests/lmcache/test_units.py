@@ -53,6 +53,6 @@ def test_tier_labels_are_bounded() -> None:
 
 def test_the_adapter_conforms_to_the_protocol() -> None:
     from sidecar.adapters.lmcache import LMCacheAdapter
-    from sidecar.conformance import check_adapter
+    from sidecar.core.conformance import check_adapter
 
     assert check_adapter(LMCacheAdapter) == []

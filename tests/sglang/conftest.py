@@ -42,7 +42,7 @@ DTYPES = os.environ.get("KVSIDECAR_SGLANG_DTYPES", "float32,bfloat16").split(","
 @pytest.fixture(scope="module", params=DTYPES)
 def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
     from sidecar.adapters.sglang.service import SglangSidecar, SglangSidecarConfig
-    from sidecar.monitor import SidecarConfig
+    from sidecar.core.monitor import SidecarConfig
 
     dtype = request.param
     sockdir = Path(tempfile.mkdtemp(prefix="kvs-sgl-", dir="/tmp"))

@@ -54,7 +54,7 @@ def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
     from sidecar.adapters.vllm.metrics_bridge import registry_source
     from sidecar.adapters.vllm.reference import EngineReference, HFReference
     from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
-    from sidecar.monitor import SidecarConfig
+    from sidecar.core.monitor import SidecarConfig
 
     probe, events, replay = (f"ipc://{sockdir}/{n}.sock" for n in ("probe", "ev", "replay"))
     holder: dict[str, Any] = {}

@@ -31,7 +31,7 @@ from sidecar.canary.load import RateLimit
 from sidecar.canary.probes import expected_cached
 from sidecar.canary.replay import ReplayProxy
 from sidecar.canary.runner import Canary, CanaryConfig, make_canary
-from sidecar.cli import main
+from sidecar.cli.main import main
 from tests.vllm.conftest import MEASUREMENTS
 from tests.vllm.usage_doctor import UsageDoctor
 

@@ -23,7 +23,7 @@ import zmq
 
 from sidecar.adapters.vllm.audit import EventAuditor
 from sidecar.adapters.vllm.subscriber import EventSubscriber
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from tests.vllm.harness import Engine, Workload, generate, start_engine, stop_engine
 
 pytestmark = pytest.mark.vllm

@@ -32,7 +32,7 @@ from sidecar.canary.exporter import CanaryExporter
 from sidecar.canary.load import RateLimit
 from sidecar.canary.replay import ReplayVerifier
 from sidecar.canary.runner import CanaryConfig, make_canary
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from sidecar.protect.breaker import BreakerSettings, State
 from sidecar.protect.bypass_guard import BypassGuard, GuardConfig
 from tests.vllm.conftest import MEASUREMENTS

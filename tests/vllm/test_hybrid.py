@@ -39,7 +39,7 @@ import pytest
 from sidecar import signals as S
 from sidecar.checks.content import check_content
 from sidecar.checks.recompute import block_error
-from sidecar.protocol import BlockRef, GroupKind
+from sidecar.core.protocol import BlockRef, GroupKind
 from sidecar.signals import AnomalyKind
 from tests.vllm.conftest import MEASUREMENTS
 from tests.vllm.harness import BLOCK, Engine, Workload, generate, start_engine, stop_engine

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.checks.recompute import normalized_error
-from sidecar.protocol import GroupKind
+from sidecar.core.protocol import GroupKind
 from sidecar.signals import AnomalyKind
 from tests.vllm.conftest import MEASUREMENTS
 from tests.vllm.harness import BLOCK, Workload, generate, start_engine, stop_engine

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sidecar import signals as S
+from sidecar.checks.tolerance import min_tolerance, tolerance_for
 from sidecar.signals import AnomalyKind
-from sidecar.tolerance import min_tolerance, tolerance_for
 from tests.vllm.conftest import MEASUREMENTS
 from tests.vllm.harness import BLOCK, Workload, add_noise, generate, start_engine, stop_engine
 

@@ -6,9 +6,9 @@ exceptions propagate unchanged; the adapter's own bookkeeping never raises):
 
 * ``store``: each full chunk LMCache is asked to store gets a bounded chunk id
   (:mod:`.chunks`) and a write-time fingerprint of its bytes (:mod:`.taps`), sent to the
-  Monitor as a :class:`~sidecar.protocol.StoredBlock`;
+  Monitor as a :class:`~sidecar.core.protocol.StoredBlock`;
 * ``lookup``: LMCache's lookup token counts are mirrored (``lmcache_lookup_*``);
-* ``retrieve``: one :class:`~sidecar.protocol.Lookup` per retrieve, with LMCache's own
+* ``retrieve``: one :class:`~sidecar.core.protocol.Lookup` per retrieve, with LMCache's own
   counts (requested tokens, tokens it reports loaded), so the sidecar's hit rate is
   LMCache's retrieve hit rate; per chunk, the tier that served it and whether it loaded.
   The hit is a :class:`ChunkHit` whose blocks are the chunks; when the Monitor samples it,
@@ -36,7 +36,7 @@ from sidecar.adapters.lmcache.chunks import ChunkIds
 from sidecar.adapters.lmcache.layout import FlatServedKV, ServedKV, chunk_to_block
 from sidecar.adapters.lmcache.taps import StorageTap, tier_of
 from sidecar.checks.fingerprint import kv_digest
-from sidecar.protocol import (
+from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
@@ -119,7 +119,7 @@ def _masked_prefix(mask: torch.Tensor | None, n: int) -> int:
 
 class LMCacheAdapter:
     """Wraps one ``LMCacheEngine`` (see the module docstring); also the sidecar
-    :class:`~sidecar.protocol.Adapter` the Monitor's verifier calls back."""
+    :class:`~sidecar.core.protocol.Adapter` the Monitor's verifier calls back."""
 
     def __init__(self, engine: Any, reference: ChunkReference,
                  served: ServedKV | None = None, chunk_ids: int = 100_000,

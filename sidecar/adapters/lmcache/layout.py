@@ -1,7 +1,7 @@
 """LMCache's chunk layout and the sidecar's block layout, and how to read served KV.
 
 LMCache keeps a chunk as one tensor in ``KV_2LTD`` format: ``(2, layers, tokens, kv_heads *
-head_dim)`` (K at index 0, V at 1). The sidecar's :class:`sidecar.protocol.BlockKV` wants
+head_dim)`` (K at index 0, V at 1). The sidecar's :class:`sidecar.core.protocol.BlockKV` wants
 ``(layers, kv_heads, tokens, head_dim)`` for K and V apart. One conversion is used for all
 three places KV is seen (the chunk at store, the KV the engine was served, the chunk a tier
 holds now), so their bytes, and so their fingerprints, are comparable exactly.

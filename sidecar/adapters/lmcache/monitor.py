@@ -13,14 +13,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.adapters.lmcache.adapter import LMCacheAdapter
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.sampling import Sampler
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.sampling import Sampler
 from sidecar.signals import AnomalyKind, LMCacheTier, RetrieveOutcome
-from sidecar.verifier import Verdict
 
 
 class LMCacheMonitor(Monitor):
-    """A :class:`sidecar.monitor.Monitor` attached to an :class:`LMCacheAdapter`."""
+    """A :class:`sidecar.core.monitor.Monitor` attached to an :class:`LMCacheAdapter`."""
 
     def __init__(self, adapter: LMCacheAdapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None,

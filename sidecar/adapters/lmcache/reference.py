@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sidecar.protocol import AdapterError, BlockKV, BlockRef, Hit
+from sidecar.core.protocol import AdapterError, BlockKV, BlockRef, Hit
 
 
 class HFChunkReference:

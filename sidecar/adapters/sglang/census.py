@@ -30,7 +30,7 @@ import numpy as np
 
 from sidecar.adapters.vllm.wire import WireError
 from sidecar.allocator.invariants import Violation
-from sidecar.protocol import AllocatorState
+from sidecar.core.protocol import AllocatorState
 from sidecar.signals import InvariantKind as K
 
 MAX_SLOTS = 1 << 26  # 64M slots: an 8 MiB bitmap

@@ -20,8 +20,8 @@ import signal
 import sys
 import threading
 
-from sidecar import tolerance
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV
+from sidecar.checks import tolerance
 
 
 def _engine_args(a: argparse.Namespace) -> int:
@@ -35,8 +35,8 @@ def _engine_args(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from sidecar.adapters.sglang.service import SglangSidecar, SglangSidecarConfig
-    from sidecar.monitor import SidecarConfig
-    from sidecar.server import SidecarServer, load_token
+    from sidecar.core.monitor import SidecarConfig
+    from sidecar.export.server import SidecarServer, load_token
 
     cfg = SglangSidecarConfig(
         model_dir=a.model, dtype=a.dtype, block_size=a.block_size, probe_endpoint=a.probe,

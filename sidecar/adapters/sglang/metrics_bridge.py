@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import signals as S
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ from sidecar.adapters.vllm.adapter import (
 )
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import Capture, WireError
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import (
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import (
     AdapterError,
     AllocatorState,
     BlockKV,
@@ -48,7 +49,6 @@ from sidecar.protocol import (
     Lookup,
     StoredBlock,
 )
-from sidecar.verifier import Verdict
 
 log = logging.getLogger(__name__)
 

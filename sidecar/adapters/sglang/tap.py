@@ -34,8 +34,8 @@ import torch
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.wire import capture_fields
 from sidecar.checks.keys import token_digest
-from sidecar.protocol import Hit
-from sidecar.sampling import UniformSampler
+from sidecar.core.protocol import Hit
+from sidecar.core.sampling import UniformSampler
 
 log = logging.getLogger(__name__)
 

@@ -9,5 +9,5 @@ helpers) never imports vLLM, so the sidecar can run in its own environment besid
 * :mod:`.probe` (runs inside vLLM), :mod:`.wire`, :mod:`.pipe`, :mod:`.receiver`,
   :mod:`.layout`, :mod:`.version`: sampled hits' KV shipped out of the engine;
 * :mod:`.adapter`, :mod:`.reference`, :mod:`.service`, :mod:`.cli`: the
-  :class:`sidecar.protocol.Adapter` for vLLM, its two references, and the runnable sidecar.
+  :class:`sidecar.core.protocol.Adapter` for vLLM, its two references, and the runnable sidecar.
 """

@@ -1,11 +1,11 @@
-"""vLLM behind :class:`sidecar.protocol.Adapter`, so the Monitor verifies vLLM hits exactly as
+"""vLLM behind :class:`sidecar.core.protocol.Adapter`, so the Monitor verifies vLLM hits exactly as
 it verifies the reference engine's.
 
 * ``describe()``: built from the checkpoint's ``config.json`` plus the dtype and block size
   vLLM runs with, and checked against the probe's ``hello`` when it arrives;
 * no later ``read``: the sidecar cannot reach into another process's tensors, so the probe
   copies the sampled blocks out at match time and the service hands them to
-  :meth:`sidecar.monitor.Monitor.on_captured` as the capture (``reread = False``);
+  :meth:`sidecar.core.monitor.Monitor.on_captured` as the capture (``reread = False``);
 * ``recompute(hit, refs)``: the configured reference (:mod:`.reference`: HF or engine-side);
 * ``allocator()``: from vLLM's own metrics, through :class:`.metrics_bridge.VllmMetricsBridge`.
 """
@@ -22,7 +22,7 @@ from sidecar.adapters.vllm.groups import groups_from_config
 from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge
 from sidecar.adapters.vllm.reference import Reference
 from sidecar.adapters.vllm.wire import Capture
-from sidecar.protocol import (
+from sidecar.core.protocol import (
     AdapterError,
     AllocatorState,
     BlockKV,
@@ -41,7 +41,7 @@ VLLM_KEY_FIELDS = ("parent_hash", "token_ids", "lora", "mm_items", "cache_salt",
 
 def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     """A probe capture as the Monitor takes it: the lookup (with its hit) and the captured
-    blocks, for :meth:`sidecar.monitor.Monitor.on_captured`."""
+    blocks, for :meth:`sidecar.core.monitor.Monitor.on_captured`."""
     hit = Hit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks,
               key_fields=cap.key_fields)
     blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v)

@@ -14,7 +14,7 @@ requests sharing it are scheduled before either is cached: legitimate but wastef
 sign of a lost removal when it keeps growing), a removal of a hash not indexed means an
 event was lost or the engine removed something it never announced.
 
-Counters go to :class:`sidecar.metrics.Metrics` under the ``KV_EVENT_*`` signals; nothing
+Counters go to :class:`sidecar.export.metrics.Metrics` under the ``KV_EVENT_*`` signals; nothing
 here raises on bad input.
 """
 
@@ -40,7 +40,7 @@ from sidecar.adapters.vllm.hashing import (
     matches,
     none_hash,
 )
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from sidecar.signals import Signal
 
 log = logging.getLogger(__name__)

@@ -24,20 +24,20 @@ import threading
 import time
 from typing import Any
 
-from sidecar import tolerance
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
 from sidecar.adapters.vllm.hashing import ALGOS
-from sidecar.config_cli import add_config_arguments, configure
-from sidecar.config_layers import ConfigError
+from sidecar.checks import tolerance
+from sidecar.config.cli import add_config_arguments, configure
+from sidecar.config.layers import ConfigError
 
 
 def _engine_args(a: argparse.Namespace) -> int:
     flags = []
     if a.probe:
-        from sidecar.monitor import SidecarConfig
+        from sidecar.core.monitor import SidecarConfig
 
         # The probe samples in the engine: it takes the start burst of [sidecar] (or the
-        # default), the sidecar mirrors it (sidecar/outlook.py).
+        # default), the sidecar mirrors it (sidecar/export/outlook.py).
         burst = SidecarConfig(**{k: v for k, v in getattr(a, "sidecar_overrides", {}).items()
                                  if k in ("burst_hits", "burst_every")})
         flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
@@ -51,8 +51,8 @@ def _engine_args(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
-    from sidecar.monitor import SidecarConfig
-    from sidecar.server import SidecarServer
+    from sidecar.core.monitor import SidecarConfig
+    from sidecar.export.server import SidecarServer
 
     cfg = VllmSidecarConfig(
         model_dir=a.model, dtype=a.dtype, block_size=a.block_size,
@@ -66,8 +66,8 @@ def _serve(a: argparse.Namespace) -> int:
                                         adapter_timeout_s=a.adapter_timeout,
                                         recompute_tokens_per_s=a.recompute_budget,
                                         **tolerance.config_fields(a))}))
-    from sidecar.otel_push import check_arguments as check_otlp
-    from sidecar.server import load_token
+    from sidecar.export.otel_push import check_arguments as check_otlp
+    from sidecar.export.server import load_token
 
     try:
         check_otlp(a)
@@ -79,7 +79,7 @@ def _serve(a: argparse.Namespace) -> int:
     reset = _prefix_reset(a, sc)
     push = None
     if a.otlp_endpoint:
-        from sidecar.otel_push import start_otlp_push
+        from sidecar.export.otel_push import start_otlp_push
 
         push = start_otlp_push(sc.monitor, a.otlp_endpoint, a.otlp_interval, a.otlp_protocol)
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between reads of vLLM's /metrics")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=9400)
-        from sidecar.otel_push import add_arguments as add_otlp_arguments
+        from sidecar.export.otel_push import add_arguments as add_otlp_arguments
 
         add_otlp_arguments(s)
         s.add_argument("--reset-prefix-cache", action="store_true",
@@ -181,7 +181,7 @@ def parser() -> argparse.ArgumentParser:
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)
         s.set_defaults(fn=_serve)
-    for name in ("engine-args", "serve"):  # --config FILE, --set (sidecar/config_cli.py)
+    for name in ("engine-args", "serve"):  # --config FILE, --set (sidecar/config/cli.py)
         add_config_arguments(sub.choices[name])
     return p
 

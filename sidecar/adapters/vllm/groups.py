@@ -1,4 +1,4 @@
-"""vLLM's KV-cache groups as the sidecar's :class:`~sidecar.protocol.CacheGroup` list, and the
+"""vLLM's KV-cache groups as the sidecar's :class:`~sidecar.core.protocol.CacheGroup` list, and the
 per-group block choice for a sampled hit.
 
 A hybrid model in vLLM has one KV-cache group per kind of layer (``kv_cache_groups`` of its
@@ -16,8 +16,9 @@ vLLM orders its groups by first appearance of each kind in layer order (the laye
 kind are one group here: these tiny models have as many layers of each kind), which
 :func:`groups_from_config` reproduces.
 
-Block choice (:func:`choose_group_blocks`, the core's :func:`sidecar.sampling.choose_blocks`)
-follows :func:`sidecar.coverage.required_blocks` group by group: each group's last required
+Block choice (:func:`choose_group_blocks`, the core's :func:`sidecar.core.sampling.choose_blocks`)
+follows :func:`sidecar.checks.group_coverage.required_blocks` group by group: each group's last
+required
 block, plus earlier *required* blocks in rotation — never a null block.
 """
 
@@ -27,8 +28,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar.protocol import BlockRef, CacheGroup, GroupKind, Hit
-from sidecar.sampling import BlockCursors, choose_blocks
+from sidecar.core.protocol import BlockRef, CacheGroup, GroupKind, Hit
+from sidecar.core.sampling import BlockCursors, choose_blocks
 
 VLLM_NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null (padding) block
 NULL_BLOCKS = frozenset({VLLM_NULL_BLOCK})
@@ -117,8 +118,8 @@ def choose_group_blocks(hit: Hit, groups: Sequence[CacheGroup], block_size: int,
                         cursors: BlockCursors | None = None) -> list[BlockRef]:
     """Per group: the last block the group must hold for this hit, plus up to
     ``max_blocks - 1`` earlier ones among those it must hold
-    (:func:`sidecar.coverage.required_blocks`), rotating through them with ``cursors``.
-    The core's chooser (:func:`sidecar.sampling.choose_blocks`), which the probe uses too:
+    (:func:`sidecar.checks.group_coverage.required_blocks`), rotating through them with ``cursors``.
+    The core's chooser (:func:`sidecar.core.sampling.choose_blocks`), which the probe uses too:
     null blocks are never chosen (one at a required position is found by the verifier's
     coverage check over the whole hit)."""
     return choose_blocks(hit, block_size, max_blocks, rng, groups=groups, cursors=cursors)

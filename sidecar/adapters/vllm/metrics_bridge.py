@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import signals as S
-from sidecar.metrics import Metrics
-from sidecar.protocol import AllocatorState
+from sidecar.core.protocol import AllocatorState
+from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

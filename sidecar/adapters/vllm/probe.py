@@ -24,7 +24,7 @@ What it does, all best-effort (an error is logged and counted, never raised into
 
 Hybrid models (Gemma2: sliding window + full; LFM2: conv state + full) have one KV-cache
 group per layer kind, each with its own block table. The probe chooses blocks group by
-group (:func:`sidecar.sampling.choose_blocks`: only blocks the group must hold for the hit,
+group (:func:`sidecar.core.sampling.choose_blocks`: only blocks the group must hold for the hit,
 never an out-of-window or pre-boundary null block) and reads a recurrent group's blocks as
 states (:mod:`.state_layout`).
 
@@ -60,9 +60,9 @@ from sidecar.adapters.vllm.state_layout import (
 )
 from sidecar.adapters.vllm.version import check_vllm_version
 from sidecar.adapters.vllm.wire import capture_fields, parse_reference_salt
-from sidecar.burst import Burst
-from sidecar.protocol import GroupKind, Hit
-from sidecar.sampling import UniformSampler
+from sidecar.core.burst import Burst
+from sidecar.core.protocol import GroupKind, Hit
+from sidecar.core.sampling import UniformSampler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -192,7 +192,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
                     blocks={g: ids[:n_full] for g, ids in blocks.items()})
             if n_full > 0 and self._sampler.should_sample(h):
                 # The core's chooser: the last block per group plus a rotation through the
-                # earlier ones the group must hold (sidecar.sampling.BlockCursors).
+                # earlier ones the group must hold (sidecar.core.sampling.BlockCursors).
                 refs = self._sampler.choose(h, bs, self._blocks_per_sample, self._groups)
                 meta.captures.append(CaptureOrder(
                     uuid.uuid4().hex[:16], "hit", seen.salt if seen else None, prompt[:hit],

@@ -31,7 +31,7 @@ import zmq
 from sidecar import signals as S
 from sidecar.adapters.vllm.endpoints import IPC_DIRS, check_endpoint
 from sidecar.adapters.vllm.wire import Capture, WireError, decode_capture, unpack
-from sidecar.metrics import Metrics
+from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)

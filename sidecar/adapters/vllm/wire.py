@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import torch
 
-from sidecar.protocol import BlockKV, BlockRef
+from sidecar.core.protocol import BlockKV, BlockRef
 
 PROTOCOL_VERSION = 1
 REFERENCE_SALT_PREFIX = "kvsidecar-ref:"

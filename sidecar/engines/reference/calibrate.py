@@ -4,7 +4,7 @@ For every prefix hit of the demo workload, every hit block is read from the pool
 with a from-scratch recompute (``normalized_error``), synchronously inside the engine's
 lookup event (so the block is exactly what the request is about to decode over). Clean runs
 give the noise floor per dtype, faulty runs the error of corrupted blocks; together they
-calibrate :data:`sidecar.tolerance.TOLERANCES`. Prints a table and, with ``--json``, JSON::
+calibrate :data:`sidecar.checks.tolerance.TOLERANCES`. Prints a table and, with ``--json``, JSON::
 
     python -m sidecar.engines.reference.calibrate --dtypes float32 bfloat16 float16 \\
         --faults none zero-block boundary-off-by-one
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.content import check_content
 from sidecar.checks.recompute import block_error
+from sidecar.checks.tolerance import tolerance_for
+from sidecar.core.protocol import BlockRef, Lookup, StoredBlock
 from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from sidecar.engines.reference.faults import FAULTS
 from sidecar.engines.reference.model import ModelConfig
 from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
-from sidecar.protocol import BlockRef, Lookup, StoredBlock
-from sidecar.tolerance import tolerance_for
 
 
 @dataclass

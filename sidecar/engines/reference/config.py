@@ -51,5 +51,5 @@ class EngineConfig:
     # their spin-waiting made a decode step 10x slower in measurements. None: leave as is.
     torch_threads: int | None = 1
     # Where the model runs and the pool's KV lives ("cpu", "cuda", "cuda:N"; checked by
-    # sidecar.device.resolve_device: asking for CUDA without one is an error, not a fallback).
+    # sidecar.core.device.resolve_device: asking for CUDA without one is an error, not a fallback).
     device: str = "cpu"

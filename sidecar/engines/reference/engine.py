@@ -17,7 +17,7 @@ One request goes through the steps a production engine's cache manager takes:
 5. **release**: references dropped; full indexed blocks become evictable (LRU), partial ones
    free.
 
-Observability is an optional collaborator (an :class:`~sidecar.protocol.EventSink`); no
+Observability is an optional collaborator (an :class:`~sidecar.core.protocol.EventSink`); no
 exception from it ever reaches the engine. Faults (:mod:`.faults`) hook the same steps.
 Cache groups: one full-attention group (id 0) today, but block tables, events and hits are
 keyed by group id so hybrid groups slot in without a redesign.
@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import torch
 
-from sidecar.device import resolve_device
+from sidecar.core.device import resolve_device
+from sidecar.core.protocol import EventSink, Hit, Lookup, StoredBlock, TierState
 from sidecar.engines.reference.config import DigestFn, EngineConfig
 from sidecar.engines.reference.faults import Fault, make_fault
 from sidecar.engines.reference.model import SequenceKV, TinyLlama
@@ -48,7 +49,6 @@ from sidecar.engines.reference.sequence import (
 )
 from sidecar.engines.reference.tier import CpuTier, Load, TierEntry, finish, hit_tier_states
 from sidecar.engines.reference.truth import GroundTruth
-from sidecar.protocol import EventSink, Hit, Lookup, StoredBlock, TierState
 
 # Re-exported: callers (the adapter, the demo, the benchmark, tests) import these from here.
 __all__ = ["GROUP_ID", "KEY_FIELD_NAMES", "DigestFn", "EngineConfig", "ReferenceEngine",
@@ -155,7 +155,7 @@ class ReferenceEngine(BatchScheduler):
             offloaded = (self.tier.match(GROUP_ID, hashes[len(hit_ids):]) if self.tier
                          else [])
             if not getattr(self.sink, "hits_allowed", True):  # a circuit breaker is open
-                hit_ids, offloaded = [], []  # (sidecar.actions): every lookup is a miss
+                hit_ids, offloaded = [], []  # (sidecar.protect.actions): every lookup is a miss
             self.fault.before_allocate(self, index)
             alloc = self.pool.allocate(needed - len(hit_ids), holder=index, reserve=hit_ids)
             if alloc.ok:
@@ -364,7 +364,7 @@ class ReferenceEngine(BatchScheduler):
 
     # ------------------------------------------------------------------ observability
     def evict(self, block_ids: Sequence[int]) -> list[int]:
-        """Quarantine (sidecar.actions): drop ``block_ids`` from the prefix index so later
+        """Quarantine (sidecar.protect.actions): drop ``block_ids`` from the prefix index so later
         lookups miss them and recompute. A block a live sequence holds stays its own until
         released (then it goes to the free list, unindexed); an unreferenced one goes to
         the free list now. Reported like an eviction (``on_free``). The removed ids."""

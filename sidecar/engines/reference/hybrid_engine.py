@@ -9,7 +9,8 @@ group has its own :class:`BlockPool`, chained-hash index and LRU; block 0 of gro
 written and never handed out.
 
 A hit is the **hybrid intersection**: the longest run of prompt blocks the full group has
-such that group 1 also has every block :func:`sidecar.coverage.required_blocks` names for
+such that group 1 also has every block :func:`sidecar.checks.group_coverage.required_blocks` names
+for
 it (the window, or the last boundary's state). As a sequence advances, blocks that fell out
 of group 1's coverage are released (still indexed, evictable) and replaced by the null block
 in its table. The request lifecycle (lookup, allocate, prefill, decode, release) and the
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from sidecar.core.protocol import CacheGroup, EventSink, GroupKind, Hit, Lookup, StoredBlock
 from sidecar.engines.reference.config import EngineConfig
 from sidecar.engines.reference.faults import Fault, make_fault
 from sidecar.engines.reference.hybrid_model import CONV, FULL, SLIDING, HybridLM
@@ -35,7 +37,6 @@ from sidecar.engines.reference.hybrid_truth import HybridTruth
 from sidecar.engines.reference.pool import Allocation, BlockHash, BlockPool, KeyFields
 from sidecar.engines.reference.scheduler import BatchScheduler
 from sidecar.engines.reference.sequence import Request, Result, RunningSequence
-from sidecar.protocol import CacheGroup, EventSink, GroupKind, Hit, Lookup, StoredBlock
 
 __all__ = ["NULL_BLOCK", "HybridEngine", "build_engine"]
 

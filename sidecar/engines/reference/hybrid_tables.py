@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from sidecar.coverage import required_blocks
+from sidecar.checks.group_coverage import required_blocks
+from sidecar.core.protocol import CacheGroup
 from sidecar.engines.reference.blocks import BlockHash
 from sidecar.engines.reference.pool import BlockPool
 from sidecar.engines.reference.sequence import RunningSequence
-from sidecar.protocol import CacheGroup
 
 NULL_BLOCK = 0  # group 1's padding block
 

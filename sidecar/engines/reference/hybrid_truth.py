@@ -4,7 +4,8 @@ The same three facts as :mod:`.truth` keeps for the plain engine, per group: a *
 copy of what the clean write path stored (faults only touch the real pools), an
 **identity** (the strong chained hash of the prefix a block's content stands for), and a
 **taint** (computed while its sequence read a wrong block). A hit block is *corrupt* when it
-sits at a position its group must cover (:func:`sidecar.coverage.required_blocks`) and is
+sits at a position its group must cover (:func:`sidecar.checks.group_coverage.required_blocks`) and
+is
 the null block, or stands for another prefix, or its bytes differ from the shadow. Null
 blocks outside the coverage are correct by definition: that is the hybrid cache working.
 Results are ``(group_id, index)`` pairs.
@@ -17,15 +18,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from sidecar.core.protocol import Hit
 from sidecar.engines.reference.blocks import BlockHash
 from sidecar.engines.reference.pool import BlockPool
 from sidecar.engines.reference.sequence import KEY_FIELD_NAMES
 from sidecar.engines.reference.truth import Identity, _bits_equal, _extend_chain
-from sidecar.protocol import Hit
 
 if TYPE_CHECKING:
+    from sidecar.core.protocol import CacheGroup
     from sidecar.engines.reference.sequence import RunningSequence
-    from sidecar.protocol import CacheGroup
 
 
 class HybridView(Protocol):

@@ -2,7 +2,7 @@
 
 Engines that store KV as int8/fp8 keep a scale next to the quantised values and multiply
 on read. The reference pool does the same so the sidecar's per-format tolerance
-(:data:`sidecar.tolerance.STORAGE_TOLERANCES`) is exercised on real rounding, and so a
+(:data:`sidecar.checks.tolerance.STORAGE_TOLERANCES`) is exercised on real rounding, and so a
 *wrong* scale (the quantization-drift fault) produces the error real engines produce.
 
 Granularity: one symmetric scale per (layer, block, head, token slot), i.e. per row of

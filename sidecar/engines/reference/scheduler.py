@@ -10,11 +10,11 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from sidecar.core.protocol import EventSink
 from sidecar.engines.reference.config import EngineConfig
 from sidecar.engines.reference.faults import Fault
 from sidecar.engines.reference.pool import BlockHash, KeyFields, chain_hash
 from sidecar.engines.reference.sequence import KEY_FIELD_NAMES, Request, Result
-from sidecar.protocol import EventSink
 
 
 class BatchScheduler:

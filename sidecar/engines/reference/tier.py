@@ -4,7 +4,7 @@ with an explicit state machine per entry and asynchronous loads.
 When the pool evicts a cached block its bytes and index metadata spill here instead of being
 lost; a later lookup that runs past the pool's hits continues in the tier and *loads* each
 consecutive entry found into a freshly allocated pool block. Every entry goes through
-:class:`~sidecar.protocol.TierState`:
+:class:`~sidecar.core.protocol.TierState`:
 
     resident -> offloading -> offloaded -> loading -> loaded | failed
 
@@ -38,10 +38,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sidecar.core.protocol import TierState
 from sidecar.engines.reference.blocks import BlockData, BlockHash, KeyFields
 from sidecar.engines.reference.pool import BlockPool
 from sidecar.engines.reference.tier_worker import CopyWorker
-from sidecar.protocol import TierState
 
 S = TierState
 # state -> the states it may move to; None is "no entry yet".

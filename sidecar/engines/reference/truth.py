@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sidecar.core.protocol import Hit
 from sidecar.engines.reference.blocks import BlockData, BlockHash, KeyFields, chain_hash
 from sidecar.engines.reference.pool import BlockPool
-from sidecar.protocol import Hit
 
 if TYPE_CHECKING:
     from sidecar.engines.reference.sequence import RunningSequence

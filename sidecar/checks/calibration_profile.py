@@ -1,0 +1,204 @@
+"""A calibration profile: the noise floors measured on a trusted engine, kept across restarts.
+
+A sidecar that learns its tolerance in memory learns it again after every restart, from
+whatever state the engine is in then: restarted beside an engine that silently round-trips
+KV through fp8, it learns the fault's error as "noise" and the check goes blind (the fp8
+downcast in bfloat16 was caught 96/96 after a clean calibration, 3/152 otherwise). A profile
+is what the trusted run measured, written once by ``kv-sidecar calibrate`` and loaded at
+every start (``SidecarConfig.calibration_profile``); the sidecar may tighten under it, never
+loosen past it (:mod:`sidecar.checks.calibration`).
+
+One entry per **model, dtype, KV storage, reference kind and write path** (``"all"``: the
+engine does not say whether prefill or decode wrote a block). The file is small JSON::
+
+    {"format": "kv-sidecar-calibration/1",
+     "entries": [{"engine": "reference", "model": "tiny-llama", "dtype": "bfloat16",
+                  "kv_storage": null, "reference": "independent", "write_path": "all",
+                  "floor": 0.0256, "tolerance": 0.102, "multiple": 4.0, "blocks": 5238}]}
+
+It is read like any file from outside: size-capped, every field type-checked, every number
+finite and in range, unknown dtypes, reference kinds and fields refused with the entry named
+(:class:`ProfileError`, raised at start — never in a hook).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sidecar.checks.tolerance import REFERENCE_KINDS, STORAGE_TOLERANCES, TOLERANCES
+
+PROFILE_FORMAT = "kv-sidecar-calibration/1"
+MAX_PROFILE_BYTES = 1 << 20  # a profile of a few hundred entries is ~100 KiB
+MAX_ENTRIES = 4096
+MAX_NAME = 256  # characters of an engine or model name
+WRITE_PATHS = ("all", "prefill", "decode")
+
+
+class ProfileError(ValueError):
+    """A calibration profile that cannot be used (the message names the file and field)."""
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """The noise floor of one (model, dtype, KV storage, reference kind, write path)."""
+
+    model: str
+    dtype: str
+    reference: str
+    floor: float  # largest error of a clean block seen
+    tolerance: float  # the tolerance the trusted run settled on (multiple x floor, clamped)
+    blocks: int  # clean blocks the floor was measured over
+    multiple: float = 4.0
+    write_path: str = "all"
+    kv_storage: str | None = None
+    engine: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str | None, str, str]:
+        return self.model, self.dtype, self.kv_storage, self.reference, self.write_path
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every entry of one profile file, looked up by :meth:`find`."""
+
+    entries: tuple[ProfileEntry, ...]
+    source: str = ""
+
+    def find(self, model: str, dtype: str, kv_storage: str | None, reference: str,
+             write_path: str = "all") -> ProfileEntry | None:
+        key = (model, dtype.removeprefix("torch."), kv_storage, reference, write_path)
+        for entry in self.entries:
+            if entry.key == key:
+                return entry
+        return None
+
+    def merged(self, newer: Profile) -> Profile:
+        """This profile with ``newer``'s entries replacing those of the same key."""
+        keep = {e.key: e for e in self.entries}
+        keep.update({e.key: e for e in newer.entries})
+        return Profile(tuple(keep.values()), newer.source or self.source)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": PROFILE_FORMAT,
+                           "entries": [asdict(e) for e in self.entries]}, indent=1) + "\n"
+
+
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "engine": (str,), "model": (str,), "dtype": (str,), "reference": (str,),
+    "write_path": (str,), "kv_storage": (str, type(None)), "floor": (int, float),
+    "tolerance": (int, float), "multiple": (int, float), "blocks": (int,)}
+_REQUIRED = ("model", "dtype", "reference", "floor", "tolerance", "blocks")
+
+
+def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
+    """A profile from the bytes of its file; :class:`ProfileError` for anything off."""
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"calibration profile {source}: {len(data)} bytes, over the "
+                           f"{MAX_PROFILE_BYTES}-byte limit")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise ProfileError(f"calibration profile {source}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"calibration profile {source}: expected an object with "
+                           f'"format": "{PROFILE_FORMAT}"')
+    extra = set(doc) - {"format", "entries"}
+    if extra:
+        raise ProfileError(f"calibration profile {source}: unknown keys {sorted(extra)}")
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise ProfileError(f"calibration profile {source}: \"entries\" must be a list")
+    if len(raw) > MAX_ENTRIES:
+        raise ProfileError(f"calibration profile {source}: {len(raw)} entries, over "
+                           f"{MAX_ENTRIES}")
+    entries: dict[tuple[str, str, str | None, str, str], ProfileEntry] = {}
+    for i, item in enumerate(raw):
+        entry = _entry(item, f"calibration profile {source}: entry {i}")
+        if entry.key in entries:
+            raise ProfileError(f"calibration profile {source}: entry {i} repeats "
+                               f"{entry.key}")
+        entries[entry.key] = entry
+    return Profile(tuple(entries.values()), source)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _entry(item: Any, where: str) -> ProfileEntry:
+    if not isinstance(item, dict):
+        raise ProfileError(f"{where}: expected an object")
+    unknown = set(item) - set(_FIELDS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown fields {sorted(unknown)}")
+    missing = [f for f in _REQUIRED if f not in item]
+    if missing:
+        raise ProfileError(f"{where}: missing {missing}")
+    for name, value in item.items():
+        types = _FIELDS[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ProfileError(f"{where}: {name} has the wrong type ({type(value).__name__})")
+        if isinstance(value, str) and not 0 < len(value) <= MAX_NAME and name != "engine":
+            raise ProfileError(f"{where}: {name} must be 1..{MAX_NAME} characters")
+    fields: dict[str, Any] = {k: float(v) if k in ("floor", "tolerance", "multiple") else v
+                              for k, v in item.items()}
+    entry = ProfileEntry(**fields)
+    if entry.dtype not in TOLERANCES:
+        raise ProfileError(f"{where}: unknown dtype {entry.dtype!r}; known: "
+                           f"{', '.join(sorted(TOLERANCES))}")
+    if entry.reference not in REFERENCE_KINDS:
+        raise ProfileError(f"{where}: unknown reference kind {entry.reference!r}; known: "
+                           f"{', '.join(REFERENCE_KINDS)}")
+    if entry.write_path not in WRITE_PATHS:
+        raise ProfileError(f"{where}: unknown write path {entry.write_path!r}; known: "
+                           f"{', '.join(WRITE_PATHS)}")
+    if entry.kv_storage is not None and entry.kv_storage not in STORAGE_TOLERANCES:
+        raise ProfileError(f"{where}: unknown KV storage {entry.kv_storage!r}")
+    if len(entry.engine) > MAX_NAME:
+        raise ProfileError(f"{where}: engine must be at most {MAX_NAME} characters")
+    if not (math.isfinite(entry.floor) and entry.floor >= 0):
+        raise ProfileError(f"{where}: floor must be a finite number >= 0, got {entry.floor}")
+    if not (math.isfinite(entry.tolerance) and entry.tolerance > 0):
+        raise ProfileError(f"{where}: tolerance must be a finite number > 0, "
+                           f"got {entry.tolerance}")
+    if not (math.isfinite(entry.multiple) and entry.multiple >= 1):
+        raise ProfileError(f"{where}: multiple must be a finite number >= 1, "
+                           f"got {entry.multiple}")
+    if entry.blocks < 1:
+        raise ProfileError(f"{where}: blocks must be >= 1, got {entry.blocks}")
+    return entry
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read and check a profile file; :class:`ProfileError` names what is wrong."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ProfileError(f"calibration profile {p}: no such file (write one with "
+                           "`kv-sidecar calibrate`)") from None
+    except OSError as exc:
+        raise ProfileError(f"calibration profile {p}: {exc.strerror or exc}") from None
+    return parse_profile(data, str(p))
+
+
+def save_profile(path: str | os.PathLike[str], profile: Profile) -> None:
+    """Write ``profile`` atomically (a reader sees the old file or the new one, never half)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(profile.to_json())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

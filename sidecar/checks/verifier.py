@@ -1,0 +1,392 @@
+"""The verifier: runs the checks on one sampled hit, cheapest first, and returns a Verdict.
+
+Order (each stage only spends what the previous ones could not decide):
+  1. key consistency (generation, token digest, key fields) and, per cache group, coverage
+     (every group holds real, loaded state where it must: :mod:`sidecar.checks.coverage`)
+     — no adapter call at all;
+  2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
+     legitimately reused before we got to them: dropped, not flagged;
+  3. structure, content stats, write-time fingerprint — on the bytes just read;
+  4. ``adapter.recompute`` under the recompute budget, compared with a dtype-aware tolerance —
+     only for blocks no earlier stage already condemned. The tolerance is per reference kind
+     (the adapter's ``reference_kind``: "independent" unless it says "engine") and dtype, and
+     may be calibrated from the first clean blocks (:mod:`sidecar.checks.calibration`); every
+     block's error is on the verdict (``errors``) for the error histogram. Each group is
+     compared on the positions it keeps (block choice: :mod:`sidecar.core.sampling`) and its own
+     layers; a failed compare is explained per group kind (:mod:`sidecar.checks.hybrid`:
+     window off by a block, stale recurrent state, partial tier load).
+
+Admission (:mod:`sidecar.core.admission`): recomputes in flight and verifications of blocks
+recovered through an offload tier are capped; over a cap the sample is dropped
+(``admission``), never queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sidecar.checks.base import Finding
+from sidecar.checks.calibration import Calibration
+from sidecar.checks.content import check_content
+from sidecar.checks.coverage import check_coverage, tier_state_at
+from sidecar.checks.fingerprint import check_fingerprint
+from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
+from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
+from sidecar.checks.recompute import block_error
+from sidecar.checks.structure import check_structure
+from sidecar.checks.tolerance import REFERENCE_KINDS
+from sidecar.core.admission import Gate
+from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
+from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
+from sidecar.signals import AnomalyKind, DropReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What the hot path took for one sampled hit, at match time: the blocks chosen, their
+    store records and the sidecar's epochs for them, and (where the adapter offers
+    ``capture``) a copy of the KV the request was served."""
+
+    hit: Hit
+    refs: tuple[BlockRef, ...]
+    records: Mapping[BlockRef, StoreRecord | None]
+    captured_at: float
+    epochs: Mapping[BlockRef, int] = field(default_factory=dict)
+    captured: Mapping[BlockRef, BlockKV] | None = None
+
+
+@dataclass
+class Verdict:
+    """The outcome of verifying one sample."""
+
+    sample: Sample
+    verified: list[BlockRef] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    dropped: dict[DropReason, int] = field(default_factory=dict)
+    adapter_errors: list[tuple[str, str]] = field(default_factory=list)  # (op, reason)
+    max_error: float | None = None  # largest recompute error seen (for noise-floor reports)
+    errors: list[tuple[int, float]] = field(default_factory=list)  # (group_id, error) per block
+    duration_s: float = 0.0
+    # The bytes behind each condemned block, for the evidence (sidecar.evidence.record): what was
+    # served and, where the recompute ran, the reference (None: condemned before it).
+    kv: dict[BlockRef, tuple[BlockKV, BlockKV | None]] = field(default_factory=dict)
+    tolerance: float | None = None  # the recompute tolerance the comparison used
+
+    @property
+    def anomalous(self) -> bool:
+        return bool(self.findings)
+
+    def kinds(self) -> set[AnomalyKind]:
+        return {f.kind for f in self.findings}
+
+
+class TokenBucket:
+    """The recompute budget: at most ``rate`` recomputed tokens per second on average."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.capacity = burst if burst is not None else max(rate, 1.0)
+        self._tokens = self.capacity
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: float) -> bool:
+        if self.rate <= 0:
+            return True  # unlimited
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if n > self.capacity:  # one oversized sample may run when the bucket is full
+                n = self.capacity
+            if self._tokens >= n:
+                self._tokens -= n
+                return True
+            return False
+
+
+class Verifier:
+    """Runs the checks of one sample against an adapter (see the module docstring)."""
+
+    def __init__(self, adapter: Adapter, info: EngineInfo, guard: Guard,
+                 budget: TokenBucket, recompute: bool = True,
+                 epoch_of: Callable[[int, int], int] | None = None,
+                 calibration: Calibration | None = None,
+                 max_recomputes: int = 0, max_recoveries: int = 0) -> None:
+        self.adapter = adapter
+        self.epoch_of = epoch_of
+        # An adapter that can only copy KV at match time (an out-of-process probe) says so
+        # with ``reread = False``: captured blocks are then judged without a later read.
+        self.reread = bool(getattr(adapter, "reread", True))
+        self.info = info
+        self.guard = guard
+        self.budget = budget
+        self.recompute = recompute
+        self.calibration = calibration or Calibration(info.dtype, info.kv_storage)
+        self._layers = {g.group_id: len(g.layers) for g in info.groups}
+        self._groups = {g.group_id: g for g in info.groups}
+        self.recomputes = Gate("recompute", max_recomputes)
+        self.recoveries = Gate("recovery", max_recoveries)
+
+    @property
+    def reference_kind(self) -> str:
+        """What the adapter's recompute is: "independent" (another implementation, the
+        default) or "engine" (the engine's own kernels); read per call, since an adapter
+        may swap its reference at run time."""
+        kind = getattr(self.adapter, "reference_kind", None)
+        return kind if kind in REFERENCE_KINDS else "independent"  # a bounded label
+
+    @property
+    def tolerance(self) -> float:
+        """The tolerance a comparison uses now (for the current reference)."""
+        return self.calibration.tolerance(self.reference_kind)
+
+    def verify(self, sample: Sample) -> Verdict:
+        started = time.perf_counter()
+        verdict = Verdict(sample)
+        # Blocks served through an offload tier are re-read through its load path: a
+        # recovery slot for the whole verification, or the sample is dropped.
+        recovered = any(tier_state_at(sample.hit, r.group_id, r.index) is not None
+                        for r in sample.refs)
+        slot = self.recoveries.enter() if recovered else None
+        try:
+            if recovered and slot is None:
+                _drop(verdict, DropReason.ADMISSION, len(sample.refs))
+            else:
+                self._run(sample, verdict)
+        finally:
+            if slot is not None:
+                slot.release()
+            verdict.duration_s = time.perf_counter() - started
+        return verdict
+
+    def _run(self, sample: Sample, verdict: Verdict) -> None:
+        """A block counts as verified once some stage decided it: condemned by a check, or
+        passed the last stage. Blocks nobody could decide (reused before the read, over
+        budget, adapter failure) are dropped and counted by reason."""
+        hit, refs = sample.hit, sample.refs
+        if not refs:
+            return
+        bs = self.info.block_size
+        digests = hit_digests(hit, bs, max(r.index for r in refs))
+        condemned: set[BlockRef] = set()
+        for ref in refs:
+            record = sample.records.get(ref)
+            found = check_keys(hit, ref, record, bs, _generation_at_hit(hit, ref), digests)
+            if found and record is not None:  # stored one block off / an earlier boundary
+                group = self._groups.get(ref.group_id)
+                found = [misplaced(group, ref, record.prefix_tokens, bs, f) for f in found]
+            if found:
+                condemned.add(ref)
+                verdict.findings.extend(found)
+        coverage = check_coverage(hit, self.info)
+        if coverage:  # a chosen block at a position the coverage check condemned
+            verdict.findings.extend(coverage)
+            at = {(f.group_id, f.block_index) for f in coverage}
+            condemned.update(r for r in refs if (r.group_id, r.index) in at)
+
+        # What was served: the capture where there is one, else the block as read now.
+        # A captured block is read too, to tell "changed after serving" apart.
+        captured = sample.captured or {}
+        # A null (padding) block holds no KV: never read, whoever chose it (a probe's own
+        # sampler); one at a position its group must cover was reported by the coverage check.
+        undecided = [r for r in refs if r not in condemned and not self._null(r)]
+        served: dict[BlockRef, BlockKV] = {r: captured[r] for r in undecided if r in captured}
+        to_read = undecided if self.reread else [r for r in undecided if r not in served]
+        cached = self._call("read", self.adapter.read, verdict, hit, to_read,
+                            sum(1 for r in to_read if r not in served)) if to_read else []
+        asked = set(to_read)
+        got: set[BlockRef] = set()
+        for block in cached or []:
+            ref = block.ref
+            if ref not in asked or ref in got:  # never asked for (or twice): not evidence
+                verdict.adapter_errors.append(("read", "unexpected_block"))
+                continue
+            got.add(ref)
+            if self._moved(sample, ref, block):  # legitimately reused since the match
+                _drop(verdict, DropReason.REUSED_AFTER_SERVING if ref in served
+                      else DropReason.EVICTED_BEFORE_READ)
+                continue
+            first = served.get(ref)
+            if first is None:
+                served[ref] = block
+            elif not _same_bytes(first, block):
+                verdict.findings.append(Finding(
+                    AnomalyKind.CHANGED_AFTER_SERVING, ref.group_id, ref.index,
+                    f"block {ref.block_id} changed in place after it was served "
+                    "(neither freed nor stored again since the match)"))
+        passed: list[BlockKV] = []
+        for ref, block in served.items():
+            n_layers = self._layers.get(ref.group_id, block.key.shape[0])
+            group = self._groups.get(ref.group_id)
+            kind = group.kind if group is not None else GroupKind.FULL_ATTENTION
+            found = check_structure(block, self.info, n_layers, kind)
+            if not found and tier_state_at(hit, ref.group_id, ref.index) is not None:
+                found = check_partial_zero(block)  # before "zeros" claims a half-copied block
+            found = found or check_content(block)
+            if not found:
+                record = sample.records.get(ref)
+                found = check_fingerprint(block, record.kv_digest if record else None)
+            if found:
+                condemned.add(ref)
+                verdict.findings.extend(found)
+                verdict.kv[ref] = (block, None)
+            else:
+                passed.append(block)
+
+        if cached is not None and len(got) < len(asked):  # asked for, never returned
+            verdict.adapter_errors.append(("read", "missing_block"))
+            if any(r not in got and r not in captured for r in asked):  # nothing to judge
+                _drop(verdict, DropReason.ADAPTER_ERROR)
+        verdict.verified.extend(r for r in refs if r in condemned)
+        if not passed:
+            return
+        if not self.recompute:
+            verdict.verified.extend(b.ref for b in passed)
+            return
+        self._compare(hit, passed, verdict)
+
+    def _null(self, ref: BlockRef) -> bool:
+        group = self._groups.get(ref.group_id)
+        return group is not None and ref.block_id in group.null_block_ids
+
+    def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
+        """Whether the block was freed or stored again between the match and this read: the
+        sidecar's epoch moved, or the engine's generation stamp did."""
+        if self.epoch_of is not None and ref in sample.epochs \
+                and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]:
+            return True
+        at_hit = _generation_at_hit(sample.hit, ref)
+        return block.generation is not None and at_hit is not None \
+            and block.generation != at_hit
+
+    def _compare(self, hit: Hit, blocks: Sequence[BlockKV], verdict: Verdict) -> None:
+        cost = (max(b.ref.index for b in blocks) + 1) * self.info.block_size
+        if not self.budget.take(cost):
+            _drop(verdict, DropReason.BUDGET, len(blocks))
+            return
+        reference = self._recompute(hit, [b.ref for b in blocks], verdict, len(blocks))
+        if reference is None:
+            return
+        by_ref = {r.ref: r for r in reference}
+        if any(ref not in {b.ref for b in blocks} for ref in by_ref):
+            verdict.adapter_errors.append(("recompute", "unexpected_block"))
+        kind = self.reference_kind
+        cal = self.calibration
+        failed: list[tuple[BlockKV, float]] = []
+        for block in blocks:
+            ref_kv = by_ref.get(block.ref)
+            if ref_kv is None:
+                verdict.adapter_errors.append(("recompute", "missing_block"))
+                _drop(verdict, DropReason.ADAPTER_ERROR)
+                continue
+            if block.key.shape != ref_kv.key.shape or block.value.shape != ref_kv.value.shape:
+                verdict.verified.append(block.ref)  # a layout the reference does not have
+                verdict.findings.append(Finding(
+                    AnomalyKind.STRUCTURE, block.ref.group_id, block.ref.index,
+                    f"shape {tuple(block.key.shape)}/{tuple(block.value.shape)} != the "
+                    f"recompute's {tuple(ref_kv.key.shape)}/{tuple(ref_kv.value.shape)}"))
+                continue
+            err = block_error(block, ref_kv)
+            if not math.isfinite(err):  # NaN (a non-finite reference) compares as far out
+                err = math.inf
+            verdict.max_error = err if verdict.max_error is None else max(verdict.max_error, err)
+            verdict.errors.append((block.ref.group_id, err))
+            verdict.verified.append(block.ref)
+            tol = cal.tolerance(kind)
+            verdict.tolerance = tol
+            passed = err <= tol
+            cal.observe(kind, err, passed)
+            if not passed:
+                verdict.kv[block.ref] = (block, ref_kv)  # for the evidence record
+                failed.append((block, err))
+        if failed:
+            self._explain(hit, failed, by_ref, verdict)
+
+    def _explain(self, hit: Hit, failed: list[tuple[BlockKV, float]],
+                 references: dict[BlockRef, BlockKV], verdict: Verdict) -> None:
+        """Name each failed block's fault family (:func:`sidecar.checks.hybrid.explain`);
+        the neighbour recomputes it may need take a recompute slot like any other."""
+        tol, kind = self.tolerance, self.reference_kind
+        dtype = self.info.dtype
+
+        def recompute(refs: Sequence[BlockRef]) -> Sequence[BlockKV] | None:
+            return self._recompute(hit, refs, verdict, 0)
+
+        verdict.findings.extend(explain(
+            failed, self._groups,
+            lambda r: tier_state_at(hit, r.group_id, r.index) is not None, references,
+            recompute, len(hit.tokens) // self.info.block_size, tol,
+            lambda err: f"normalized error {err:.3g} > tolerance {tol:.3g} "
+                        f"({dtype}, {kind} reference)"))
+
+    def _recompute(self, hit: Hit, refs: Sequence[BlockRef], verdict: Verdict,
+                   at_stake: int) -> list[BlockKV] | None:
+        """``adapter.recompute`` under a recompute slot, held until the call really ends
+        (an abandoned, timed-out call keeps it); no slot: dropped for admission."""
+        slot = self.recomputes.enter()
+        if slot is None:
+            _drop(verdict, DropReason.ADMISSION, at_stake)
+            return None
+        ran = threading.Event()
+
+        def run(h: Hit, r: Sequence[BlockRef]) -> Sequence[BlockKV]:
+            ran.set()
+            try:
+                return self.adapter.recompute(h, r)
+            finally:
+                slot.release()
+        try:
+            return self._call("recompute", run, verdict, hit, refs, at_stake)
+        finally:
+            if not ran.is_set():  # refused before it started: nothing holds the slot
+                slot.release()
+
+    def _call(self, op: str, fn: Callable[[Hit, Sequence[BlockRef]], Sequence[BlockKV]],
+              verdict: Verdict, hit: Hit, refs: Sequence[BlockRef],
+              at_stake: int) -> list[BlockKV] | None:
+        """A guarded adapter call; on failure, ``at_stake`` undecided blocks are dropped."""
+        try:
+            out = self.guard.call(op, fn, hit, refs)
+            blocks = [b for b in out if isinstance(b, BlockKV) and isinstance(b.ref, BlockRef)]
+            if len(blocks) != len(out):  # garbage from the adapter: skipped and counted
+                verdict.adapter_errors.append((op, "garbage"))
+            return blocks
+        except AdapterTimeout:
+            verdict.adapter_errors.append((op, "timeout"))
+            _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
+        except AdapterRefused:
+            verdict.adapter_errors.append((op, "refused"))
+            _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
+        except Exception as exc:  # an adapter bug (AdapterExit too) is counted, never fatal
+            log.warning("adapter %s failed: %s: %s", op, type(exc).__name__, exc)
+            verdict.adapter_errors.append((op, "error"))
+            _drop(verdict, DropReason.ADAPTER_ERROR, at_stake)
+        return None
+
+
+def _generation_at_hit(hit: Hit, ref: BlockRef) -> int | None:
+    gens = hit.generations.get(ref.group_id)
+    return int(gens[ref.index]) if gens is not None and ref.index < len(gens) else None
+
+
+def _same_bytes(a: BlockKV, b: BlockKV) -> bool:
+    return (a.key.shape == b.key.shape and a.value.shape == b.value.shape
+            and bool(torch.equal(a.key, b.key)) and bool(torch.equal(a.value, b.value)))
+
+
+def _drop(verdict: Verdict, reason: DropReason, n: int = 1) -> None:
+    """Record that ``n`` blocks of this sample could not be decided for ``reason``. The
+    drop counter counts *samples* (one per reason per sample, however many blocks), so
+    ``samples_dropped_total / sampled_total`` is a ratio of like with like."""
+    if n > 0:
+        verdict.dropped[reason] = 1

@@ -1,0 +1,174 @@
+"""Where a sample goes once the hot path has taken it: one mechanism, three modes.
+
+* ``queued`` (production): a bounded queue and one worker thread; a full queue drops the
+  sample and counts it (``queue_full``), it never blocks the engine;
+* ``inline``: verified on the caller's thread before ``submit`` returns (benchmarks and
+  tests that must be deterministic, on-demand checks);
+* ``deferred``: kept (bounded) until :meth:`Dispatcher.run_pending` is called, for engines
+  whose recompute must not run while the engine is busy (an in-process vLLM whose
+  engine-side reference is the engine itself).
+
+Whatever the mode, every verdict goes through the same ``verify`` and ``report`` callables,
+and nothing a verification raises escapes: it is logged and counted as a dropped sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+from sidecar.checks.verifier import Sample, Verdict
+from sidecar.signals import DropReason
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["queued", "inline", "deferred"]
+MODES: tuple[Mode, ...] = ("queued", "inline", "deferred")
+
+
+class Dispatcher:
+    def __init__(self, verify: Callable[[Sample], Verdict],
+                 report: Callable[[Verdict], None], drop: Callable[[DropReason], None],
+                 mode: Mode = "queued", queue_size: int = 64) -> None:
+        if mode not in MODES:
+            raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self._verify = verify
+        self._report = report
+        self._drop = drop
+        self._queue: queue.Queue[Sample | None] = queue.Queue(queue_size)
+        self._deferred: deque[Sample] = deque()
+        self._limit = queue_size
+        self._worker: threading.Thread | None = None
+        self._pending = 0  # samples queued or being verified
+        self._cond = threading.Condition()
+        self.verified_samples = 0
+        self.last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ engine side
+    def submit(self, sample: Sample) -> Verdict | None:
+        """Hand a sample over (O(1) in ``queued`` mode); the verdict in ``inline`` mode."""
+        if self.mode == "inline":
+            return self.run(sample)
+        if self.mode == "deferred":
+            with self._cond:
+                if len(self._deferred) >= self._limit:
+                    self._drop(DropReason.QUEUE_FULL)
+                    return None
+                self._deferred.append(sample)
+                self._cond.notify_all()
+            return None
+        with self._cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(sample)
+        except queue.Full:
+            self._done()
+            self._drop(DropReason.QUEUE_FULL)
+        return None
+
+    # ------------------------------------------------------------------ verification
+    def run(self, sample: Sample) -> Verdict | None:
+        """Verify and report one sample on this thread; never raises."""
+        try:
+            verdict = self._verify(sample)
+            self._report(verdict)
+        except BaseException:
+            log.exception("verification failed unexpectedly (sample dropped)")
+            self._drop(DropReason.ADAPTER_ERROR)
+            return None
+        self.verified_samples += 1
+        self.last_progress = time.monotonic()
+        return verdict
+
+    def take_pending(self) -> list[Sample]:
+        """Deferred mode: the samples kept so far, handed over (no longer pending)."""
+        with self._cond:
+            samples = list(self._deferred)
+            self._deferred.clear()
+        return samples
+
+    def run_pending(self) -> list[Verdict]:
+        """Deferred mode: verify every sample kept so far, on the calling thread."""
+        return [v for v in (self.run(s) for s in self.take_pending()) if v is not None]
+
+    def wait_pending(self, n: int, timeout_s: float) -> bool:
+        """Deferred mode: wait until at least ``n`` samples are kept."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._deferred) >= n, timeout_s)
+
+    @property
+    def queued(self) -> int:
+        """Samples waiting in the queue (not yet taken by the worker)."""
+        return self._queue.qsize()
+
+    @property
+    def pending(self) -> int:
+        return self._pending + len(self._deferred)
+
+    # ------------------------------------------------------------------ worker
+    def start(self) -> None:
+        if self.mode == "queued" and self._worker is None:
+            self._worker = threading.Thread(target=self._loop, name="kvsidecar-verifier",
+                                            daemon=True)
+            self._worker.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether verification can progress: the worker runs (queued) or none is needed."""
+        return self.mode != "queued" or (self._worker is not None and self._worker.is_alive())
+
+    def _loop(self) -> None:
+        while True:
+            sample = self._queue.get()
+            if sample is None:
+                return
+            try:
+                self.run(sample)
+            finally:
+                self._done()
+
+    def _done(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued sample is verified; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker; samples still queued (or kept) are dropped and counted."""
+        with self._cond:
+            kept = len(self._deferred)
+            self._deferred.clear()
+        for _ in range(kept):
+            self._drop(DropReason.SHUTDOWN)
+        if self._worker is None:
+            return
+        while True:
+            try:
+                s = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if s is not None:
+                self._done()
+                self._drop(DropReason.SHUTDOWN)
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:  # the worker is wedged in an adapter call: leave it, it is daemon
+            log.warning("verifier worker did not take the stop signal within %gs", timeout_s)
+        self._worker.join(timeout_s)
+        self._worker = None

@@ -1,0 +1,407 @@
+"""The adapter protocol: the only contract between kv-sidecar and an inference engine.
+
+The core never imports an engine. An engine (or an adapter wrapping it) does two things:
+
+* it *calls* the sidecar with events from its cache manager — ``on_lookup`` with a
+  :class:`Lookup` (and the :class:`Hit` when a prefix was found), ``on_store`` with a
+  :class:`StoredBlock`, ``on_free`` and ``on_request_done`` — through :class:`EventSink`,
+  which :class:`sidecar.core.monitor.Monitor` implements;
+* it *answers* the sidecar through :class:`Adapter`: what the engine is (:class:`EngineInfo`
+  with its :class:`CacheGroup` list), what KV the cache holds for some blocks of a hit
+  (``read``), what KV a from-scratch computation gives for the same blocks (``recompute``),
+  and the allocator's state (``allocator``).
+
+Two optional capabilities extend this, for allocator health (:mod:`sidecar.allocator`): an
+adapter may also be an :class:`AllocatorIntrospection` (block-level snapshots of its pool,
+:class:`BlockTableSnapshot`, on which the sidecar checks the allocator's invariants), and an
+engine may also send the :class:`BlockLifecycleSink` events ``on_allocate``/``on_release``
+(the block lifecycle log). Engines that offer neither still get every other signal.
+
+Cache groups are in the protocol from the start: a plain model has one full-attention group,
+a hybrid model (sliding window + full, recurrent state, offloaded tier...) has several, and a
+hit names its blocks per group. Nothing here depends on torch except the tensor type of
+:class:`BlockKV`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class GroupKind(enum.StrEnum):
+    """What a cache group holds; checks that depend on coverage read this."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    COMPRESSED = "compressed"
+    RECURRENT_STATE = "recurrent_state"
+    SPARSE_INDEX = "sparse_index"
+    OFFLOADED_TIER = "offloaded_tier"
+
+
+class TierState(enum.StrEnum):
+    """Where an offload-tier entry is in its life (the tier's state machine):
+    ``resident`` (only in device memory) -> ``offloading`` (async copy out in flight) ->
+    ``offloaded`` (only in the tier) -> ``loading`` (async copy back in flight) ->
+    ``loaded`` (back in device memory, usable) | ``failed`` (the copy back failed; the entry
+    must not be served). A hit may only use ``resident`` or ``loaded`` entries."""
+
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"
+    OFFLOADED = "offloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """A set of layers that share one block table (vLLM's KV-cache group).
+
+    * ``sliding_window``: for :attr:`GroupKind.SLIDING_WINDOW` groups, the window in tokens;
+      a hit needs only the blocks covering the last ``sliding_window - 1`` positions
+      (:func:`sidecar.checks.group_coverage.required_blocks`), the earlier ones are legitimately
+      null.
+    * ``null_block_ids``: block ids that are padding, never KV (vLLM's null block 0, which
+      fills out-of-window and skipped positions of a block table). The sidecar never reads
+      them as KV; one at a position the group must cover is an anomaly.
+    * :attr:`GroupKind.RECURRENT_STATE` groups keep one state per block *boundary*: block
+      ``i`` holds the state after token ``(i + 1) * block_size - 1``, and a hit needs only
+      the state at its last boundary. Its :class:`BlockKV` carries the state in ``key``
+      (``(layers, *state_shape)``) and a second state component, or an empty tensor, in
+      ``value``; recompute returns the state a fresh prefill reaches at the same boundary.
+    """
+
+    group_id: int
+    kind: GroupKind
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+    name: str = ""
+    null_block_ids: frozenset[int] = frozenset()
+
+    @property
+    def label(self) -> str:
+        """Bounded label value for metrics: the group's name, or its id."""
+        return self.name or str(self.group_id)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the sidecar needs to know about an engine, from ``Adapter.describe()``.
+
+    ``dtype`` is the dtype the KV is *read back as* (a torch dtype name such as
+    ``"bfloat16"``); ``kv_storage`` names a lossy storage format (``"int8"``, ``"fp8"``)
+    when the cache quantises, so tolerances can widen for it.
+    """
+
+    engine: str
+    model: str
+    revision: str
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    groups: tuple[CacheGroup, ...]
+    key_fields: tuple[str, ...] = ()
+    kv_storage: str | None = None
+
+    def group(self, group_id: int) -> CacheGroup:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise KeyError(f"engine {self.engine!r} has no cache group {group_id}")
+
+
+# A live sequence (request) as the engine names it: an int in the reference engine, a
+# request-id string in vLLM. Only used in logs and evidence, never in a metric label.
+SequenceId = int | str
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One prefix-cache lookup: how many prompt tokens were asked for, how many were found.
+
+    ``hit`` is set when at least one block was found. Cheap to build: it holds references
+    to sequences the engine already has, never copies.
+    """
+
+    query_tokens: int
+    hit_tokens: int
+    hit: Hit | None = None
+    seq_id: SequenceId | None = None  # the looking-up sequence, for the block lifecycle log
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A prefix hit as the engine is about to use it.
+
+    * ``tokens``: the request's prompt token ids (at least ``hit_tokens`` of them). The
+      hit covers ``tokens[:hit_tokens]``; recompute needs the tokens, nothing else.
+    * ``blocks``: group id -> physical block ids covering the hit, in order.
+    * ``generations``: group id -> allocation generation of each block *at match time*;
+      a block handed out again gets a new generation, so a mismatch with the generation
+      recorded at store time means the hash map points at a reused block.
+    * ``key_fields``: the request's own values of the fields the engine's key should cover
+      (model revision, adapter, cache salt...). Compared with what was recorded at store.
+    """
+
+    tokens: Sequence[int]
+    hit_tokens: int
+    blocks: Mapping[int, Sequence[int]]
+    generations: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    key_fields: Mapping[str, str] = field(default_factory=dict)
+    # group id -> the offload-tier state of each block at match time, where the block came
+    # through a tier (absent = device-resident). Served while not resident/loaded = anomaly.
+    tier_states: Mapping[int, Sequence[TierState]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A full block written and indexed by the engine (an entry was added to the cache).
+
+    A *block* is whatever unit the engine indexes and the adapter can read back by
+    ``(group_id, block_id)``: a page of a paged pool (vLLM, the reference engine), a
+    block_size-aligned run of a path's token slots in a slot/radix engine (SGLang-style:
+    ``block_id`` is the slot of the run's *last* token; the first slot is shared by two
+    paths that part inside the block, and node ids change when a node splits), or an entry
+    of an offload tier. The sidecar never
+    interprets the id; it only asks the adapter about it and keeps an epoch per id (see
+    :mod:`sidecar.core.store_index`).
+
+    ``tokens`` are the tokens of this block only; ``prefix_tokens`` the number of tokens
+    before it (so block ``i`` has ``prefix_tokens == i * block_size``). How the sidecar
+    learns what precedes the block, so a hit's tokens can be checked against it (any one):
+
+    * ``prefix_digest``: the sidecar's chained digest of the tokens before the block
+      (:func:`sidecar.checks.keys.prefix_digest`), for engines that know the whole prefix
+      (radix trees) and no parent block;
+    * ``parent_block_id``: the block before it, whose own store the sidecar saw (paged
+      engines); the sidecar chains digests itself;
+    * neither: the block's key fields and content are still checked, its tokens only when
+      it is the first block.
+
+    ``kv_digest`` is an optional write-time fingerprint of the block's KV bytes
+    (:mod:`sidecar.checks.fingerprint`). ``generation`` is the engine's allocation stamp
+    where it keeps one (0 where it does not: the sidecar's own epochs make stamps an
+    optimisation, not a requirement).
+    """
+
+    group_id: int
+    block_id: int
+    generation: int
+    tokens: Sequence[int]
+    prefix_tokens: int
+    key_fields: Mapping[str, str] = field(default_factory=dict)
+    parent_block_id: int | None = None
+    kv_digest: str | None = None
+    seq_id: SequenceId | None = None  # the sequence that wrote it, for the lifecycle log
+    prefix_digest: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block chosen for verification: which group, which position in the hit."""
+
+    group_id: int
+    index: int  # block index within the hit (0 = first block of the prompt)
+    block_id: int
+
+    def token_range(self, block_size: int) -> tuple[int, int]:
+        return self.index * block_size, (self.index + 1) * block_size
+
+
+@dataclass
+class BlockKV:
+    """K and V of one block for the layers of its group.
+
+    ``key`` and ``value`` have shape ``(layers, kv_heads, tokens, head_dim)``; ``generation``
+    is the block's allocation generation observed while it was read (``None`` when the
+    engine has no generation stamps or for recomputed KV).
+    """
+
+    ref: BlockRef
+    key: torch.Tensor
+    value: torch.Tensor
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """A snapshot of the engine's block allocator, from ``Adapter.allocator()``.
+
+    Every field may be ``None``: *unknown*, which is never exported as 0 (a series the engine
+    cannot give is absent, so a dashboard shows "no data" rather than a measured zero).
+    Counters (``allocations``, ``allocation_failures``) are totals since the engine started;
+    the sidecar turns them into rates. ``largest_free_run`` is the most free blocks one
+    allocation can take (all free blocks for a paged pool; the longest run of consecutive
+    free ids where contiguity matters). Units are the engine's allocation unit: blocks for a
+    paged pool, token slots for a slot/radix engine.
+    """
+
+    total_blocks: int | None = None
+    free_blocks: int | None = None
+    cached_blocks: int | None = None  # evictable: unreferenced but still indexed
+    used_blocks: int | None = None  # referenced by live sequences
+    largest_free_run: int | None = None
+    allocations: int | None = None
+    allocation_failures: int | None = None
+    allocated_slots: int | None = None  # token slots in blocks held by live sequences
+    filled_slots: int | None = None  # of those, slots holding a token
+    # For the leak trend test (sidecar.allocator.leak), where the engine knows them:
+    live_sequences: int | None = None  # sequences holding blocks now
+    held_blocks: int | None = None  # distinct blocks named by live sequences' block tables
+
+
+@dataclass(frozen=True)
+class BlockTableSnapshot:
+    """One cache group's block pool as its allocator keeps it, taken at one instant (under
+    the engine's lock), for the sidecar's allocator invariant checks
+    (:mod:`sidecar.allocator.invariants`).
+
+    Generic on purpose: a paged allocator keeps exactly these facts (vLLM's ``BlockPool``:
+    ``free_block_queue``, ``KVCacheBlock.ref_cnt`` and ``block_hash``,
+    ``cached_block_hash_to_block``; its ``KVCacheManager``: each request's block list).
+    The sidecar never trusts the engine's own verdict on them; it recomputes who holds
+    what from the live sequences' block tables and compares.
+
+    * ``free``: ids on the free list (unreferenced, not indexed), in allocation order. An
+      id listed twice there is a double free.
+    * ``cached``: ids unreferenced but still indexed (evictable), in eviction order. An
+      engine with one queue for both (vLLM) splits it by whether the block has a hash.
+    * ``ref_counts``, ``block_hashes``, ``generations``: per block id. ``block_hashes[b]``
+      is the hash block ``b``'s current content was indexed under (``None`` when it is not
+      a cached full block); ``generations`` may be empty where the engine has none.
+    * ``index``: the prefix hash map as ``(hash, block id)`` entries (a hash may name several
+      blocks where the engine keeps duplicates).
+    * ``sequences``: each live sequence's block table in this group, in order; a block listed
+      twice is held twice. These are the *holders* the invariants count.
+    * ``double_frees``: releases the engine itself refused or detected as double frees,
+      total since start (0 where it does not count them).
+    * ``reserved``: ids kept out of circulation (vLLM's null block), skipped by the checks.
+    """
+
+    group_id: int
+    num_blocks: int
+    free: tuple[int, ...]
+    cached: tuple[int, ...]
+    ref_counts: tuple[int, ...]
+    block_hashes: tuple[Hashable | None, ...]
+    index: tuple[tuple[Hashable, int], ...]
+    sequences: Mapping[SequenceId, tuple[int, ...]]
+    generations: tuple[int, ...] = ()
+    double_frees: int = 0
+    reserved: tuple[int, ...] = ()
+
+
+class AdapterError(RuntimeError):
+    """Raised (or wrapped) when an adapter cannot answer; counted, never fatal."""
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What an engine offers the sidecar. Every call is made off the engine's hot path,
+    from the verifier's worker, under a time limit (see :mod:`sidecar.core.time_limits`)."""
+
+    def describe(self) -> EngineInfo:
+        """Engine identity, dtype, block size and cache groups."""
+        ...
+
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """The KV the cache holds now for ``refs``, with the generation seen while reading."""
+        ...
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        """Reference KV for ``refs``, computed from scratch for ``hit.tokens`` with the hit's
+        own key fields (adapter, salt...): never through the cache being checked."""
+        ...
+
+    def allocator(self) -> AllocatorState | None:
+        """The allocator's state, or ``None`` where the engine does not expose one."""
+        ...
+
+
+@runtime_checkable
+class AllocatorIntrospection(Protocol):
+    """Optional adapter capability: the allocator's block-level state, so the sidecar can
+    check its invariants (a free block still indexed, a ref count below its holders, a
+    leak, a double free). Checked with ``isinstance``; an adapter without it still gets
+    the count-level allocator signals from ``Adapter.allocator()``. Called off the
+    engine's hot path, under the adapter time limit."""
+
+    def block_tables(self) -> Sequence[BlockTableSnapshot]:
+        """One snapshot per cache group with a block pool, each taken atomically."""
+        ...
+
+
+class EventSink(Protocol):
+    """What engines call. Implementations must be O(1) and must never raise."""
+
+    def on_lookup(self, lookup: Lookup) -> None: ...
+
+    def on_store(self, block: StoredBlock) -> None: ...
+
+    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None: ...
+
+    def on_request_done(self, latency_seconds: float) -> None: ...
+
+
+class BlockLifecycleSink(Protocol):
+    """Optional events an engine may send besides :class:`EventSink`'s, for the sidecar's
+    block lifecycle log (allocate / store / hit / free / evict). An engine calls them only
+    where its sink has them (``getattr(sink, "on_allocate", None)``); like every hook they
+    must be O(1) per block and never raise. ``on_store`` (store), ``on_lookup`` (hit) and
+    ``on_free`` (evict: blocks that left the index) complete the lifecycle."""
+
+    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
+                    generations: Sequence[int]) -> None:
+        """Fresh blocks handed to ``seq_id``, with their new generations."""
+        ...
+
+    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
+        """``seq_id`` dropped its references to ``block_ids`` (its blocks were freed)."""
+        ...
+
+
+class TierSink(Protocol):
+    """Optional event an engine with an offload tier sends (``getattr(sink, "on_tier",
+    None)``), O(1) and never raising like every hook: an entry of ``group_id`` moved to
+    ``state`` (:class:`TierState`). A load (recovery) ends in ``loaded`` or ``failed``,
+    with ``seconds`` = how long it took, for the recovery signals."""
+
+    def on_tier(self, group_id: int, block_id: int, state: TierState,
+                seconds: float | None = None) -> None: ...
+
+
+# --- optional capabilities of the background scrub and the protective actions
+# (sidecar/checks/scrub.py, sidecar/protect/actions.py). Checked with isinstance; an adapter
+# without them
+# still gets every other signal (the scrub then counts its candidates as unsupported, a
+# quarantine as unsupported). Called off the engine's hot path, under the time limit.
+@runtime_checkable
+class ScrubSource(Protocol):
+    """Optional adapter capability: rebuild a :class:`Hit` for a block nobody is hitting,
+    so the background scrub can verify it like a sampled hit."""
+
+    def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
+        """A hit ending with ``block_id`` (its full prefix tokens, the block ids and
+        generations of the prefix, the key fields it was stored under), or ``None`` when
+        the block is not indexed any more, is held by a live sequence now (being hit: not
+        the scrub's business), or its prefix cannot be rebuilt. Must take the engine's lock
+        only for bookkeeping, never for a forward."""
+        ...
+
+
+@runtime_checkable
+class Evictor(Protocol):
+    """Optional adapter capability (quarantine): drop blocks from the engine's prefix
+    index so later requests recompute them instead of hitting them. Blocks held by live
+    sequences stay where they are for them; only the index entry goes."""
+
+    def evict(self, group_id: int, block_ids: Sequence[int]) -> int:
+        """Remove ``block_ids`` from the index; returns how many were removed."""
+        ...
