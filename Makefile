@@ -13,19 +13,21 @@ DEMO_ARGS ?=
 venv: $(VENV)/.installed
 
 # torch first and pinned, so no other requirement drags in a CUDA build (ENGINES.md).
-$(VENV)/.installed: pyproject.toml
+# The testbed (reference engines, faults, demo, bench) is a distribution of its own: testbed/.
+$(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[demo,hf,events,dev]'
+	$(PY) -m pip install -q --no-deps -e ./testbed
 	touch $@
 
 demo: venv
 	$(VENV)/bin/kv-sidecar demo --fault $(FAULT) $(DEMO_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check sidecar tests dashboards alerts examples deploy
-	$(VENV)/bin/mypy sidecar
+	$(VENV)/bin/ruff check sidecar testbed tests dashboards alerts examples deploy
+	$(VENV)/bin/mypy sidecar testbed/kvtestbed
 
 test-unit: venv
 	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache and not sglang and not deploy" tests

@@ -2,7 +2,7 @@
 # The sidecar on a GPU (issue 16; not part of `make test`): the reference engine on CUDA with
 # kv-sidecar attached, printing side by side check throughput (GB/s) vs a device-to-device
 # copy of the same bytes, capture cost per sampled block, hook overhead (attached vs
-# detached) and detection of the core faults on CUDA (sidecar/bench/gpu_check.py).
+# detached) and detection of the core faults on CUDA (testbed/kvtestbed/bench/gpu_check.py).
 #
 #   scripts/check-gpu.sh            # the table
 #   scripts/check-gpu.sh --json     # one JSON object
@@ -46,4 +46,4 @@ if [ -n "$missing" ]; then
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 290 "$py" -m sidecar.bench.gpu_check --device cuda "$@"
+exec timeout 290 "$py" -m kvtestbed.bench.gpu_check --device cuda "$@"

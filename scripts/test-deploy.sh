@@ -40,6 +40,10 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     [ "$install_ok" = 1 ] || { echo "test-deploy: apt-get install failed" >&2; exit 1; }
 fi
 
+# The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
+# venv built before it was a distribution of its own.
+"$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
+
 "$PY" -c 'import kubernetes_validate' 2>/dev/null && [ -x "$(dirname "$PY")/check-jsonschema" ] ||
     "$PY" -m pip install -q 'kubernetes-validate>=1.31' 'check-jsonschema>=0.29'
 

@@ -9,6 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 
+# The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
+# venv built before it was a distribution of its own.
+"$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
+
 have_all() { command -v prometheus && command -v promtool && command -v amtool &&
              { command -v prometheus-alertmanager || command -v alertmanager; }; } >/dev/null
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lean runtime, installed as a user would: `pip install .` into a fresh venv (torch pinned
 # first, the local CPU wheel) must bring only the runtime dependencies, and the CLI must work
-# there: `--help` exits 0; `demo`, `faults`, `bench` exit 2 naming the extra to install, with
+# there: `--help` exits 0; `demo`, `faults`, `bench` (the testbed, testbed/) exit 2 saying so,
+# the extras exit 2 naming the extra to install, with
 # no traceback; every runtime module imports (none pulls transformers, grafanalib, pytest or
 # yaml at import time).
 #
@@ -22,7 +23,8 @@ fail() { echo "test-lean-install: FAIL: $*" >&2; exit 1; }
 "$PY" -m pip install -q torch==2.13.0
 # A copy of the tree, so the build leaves no build/ or egg-info in the checkout.
 mkdir "$tmp/src"
-cp -r pyproject.toml README.md sidecar "$tmp/src/"
+# testbed/ comes along so the check below sees that the root wheel leaves it out
+cp -r pyproject.toml README.md sidecar testbed "$tmp/src/"
 cp tests/toy.py "$tmp/toy.py"  # a tiny in-memory engine + adapter (sidecar and torch only)
 "$PY" -m pip install -q "$tmp/src"
 
@@ -45,10 +47,30 @@ expect_extra() {  # expect_extra EXTRA ARGS...: exit 2, names the extra, no trac
     grep -q "kv-sidecar\[$extra\]" <<<"$err" || fail "kv-sidecar $* did not name [$extra]: $err"
     if grep -q Traceback <<<"$err"; then fail "kv-sidecar $* printed a traceback: $err"; fi
 }
-expect_extra demo demo
-expect_extra demo demo --fault zero-block
-expect_extra demo faults
-expect_extra demo bench detection
+# The testbed's commands say in one line where they are (exit 2, no traceback).
+expect_testbed() {  # expect_testbed ARGS...
+    local rc=0 err
+    err=$("$CLI" "$@" 2>&1 >/dev/null) || rc=$?
+    [ "$rc" -eq 2 ] || fail "kv-sidecar $* exited $rc, expected 2: $err"
+    [ "$(wc -l <<<"$err")" -eq 1 ] || fail "kv-sidecar $* printed more than one line: $err"
+    grep -q "testbed" <<<"$err" || fail "kv-sidecar $* did not name the testbed: $err"
+}
+expect_testbed demo
+expect_testbed demo --fault zero-block
+expect_testbed faults
+expect_testbed bench detection
+expect_testbed calibrate
+expect_testbed actions-demo
+"$CLI" --help | grep -q "testbed" || fail "kv-sidecar --help does not say where demo/bench are"
+# No testbed module in the installed runtime: reference engines, faults, bench, demo.
+"$PY" -m pip show -f kv-sidecar >"$tmp/files.txt" || fail "pip show -f kv-sidecar exited $?"
+grep -q "sidecar/core/monitor.py" "$tmp/files.txt" || fail "pip show -f lists no sidecar files"
+if grep -E "kvtestbed|sidecar/(engines|bench)/|demo|faults|calibration\.json" "$tmp/files.txt"; then
+    fail "testbed modules in the installed runtime package (above)"
+fi
+if (cd "$tmp" && "$PY" -c "import kvtestbed" 2>/dev/null); then
+    fail "kvtestbed is importable from the runtime install"
+fi
 expect_extra events vllm --help
 # The configuration works without the extras ([vllm] is skipped: its flags need [events]).
 "$CLI" config check examples/kv-sidecar.toml >/dev/null || fail "kv-sidecar config check exited $?"
@@ -62,9 +84,7 @@ import sys
 
 import sidecar
 
-GATED = ("sidecar.engines.reference", "sidecar.demo", "sidecar.actions_demo", "sidecar.bench",
-         "sidecar.adapters.reference", "sidecar.allocator.bench", "sidecar.adapters.vllm",
-         "sidecar.adapters.sglang")
+GATED = ("sidecar.adapters.vllm", "sidecar.adapters.sglang")
 EXTRA_MODULES = {"transformers", "zmq", "msgpack", "vllm", "sglang"}
 runtime = gated = 0
 for info in pkgutil.walk_packages(sidecar.__path__, "sidecar."):

@@ -24,12 +24,16 @@ if [ ! -f "$STAMP" ]; then
     "$PY" -m pip install -q torch==2.13.0
     "$PY" -m pip install -q lmcache==0.5.6 "transformers>=5.0" pytest opentelemetry-sdk \
         "apscheduler>=3.10,<4"
-    "$PY" -m pip install -q --no-deps -e .
+    "$PY" -m pip install -q --no-deps -e . -e ./testbed
     "$PY" -c "import lmcache.v1.cache_engine, sidecar.adapters.lmcache" 2>/dev/null \
         || { echo "test-lmcache: lmcache or the adapter does not import in $VENV" >&2; exit 1; }
     touch "$STAMP"
     echo "test-lmcache: $VENV built in $(( $(date +%s) - started ))s"
 fi
+
+# The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
+# venv built before it was a distribution of its own.
+"$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
 
 # LMCache hashes token chunks with Python's hash() unless told otherwise: fix the seed so the
 # chunk keys (and the disk file names) are the same in every process.

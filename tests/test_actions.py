@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Request, Result
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.verifier import Verdict
 from sidecar.core.monitor import Monitor, SidecarConfig
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
 
 BS = 16
 # Every hit verified inline, every full block of it: a later hit of a bad block is seen.

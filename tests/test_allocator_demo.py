@@ -8,9 +8,9 @@ from functools import cache
 from typing import Any
 
 import pytest
+from kvtestbed.demo import DemoOptions, format_summary, run_demo
 
 from sidecar.cli.main import main
-from sidecar.demo import DemoOptions, format_summary, run_demo
 from sidecar.signals import THRESHOLDS, InvariantKind
 
 SUMMARY_KEYS = {"invariant_violations", "leak_suspected", "allocation_failure_rate",

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.allocator import (
     AllocatorHealth,
     LeakTrend,
@@ -150,8 +150,9 @@ def test_engine_counted_double_frees_are_counted_by_their_increase() -> None:
 def test_reference_engine_faults_through_the_adapter(fault: str, expected: set[K]) -> None:
     """Each allocator fault leaves its own kinds of violation in the real pool; the sidecar
     sees them through the engine-agnostic snapshot only (checked after every request)."""
-    from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-    from sidecar.engines.reference.workload import ChatWorkload, drive
+    from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+    from kvtestbed.workload import ChatWorkload, drive
+
     from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
     engine = ReferenceEngine(EngineConfig(num_blocks=SMALL_POOL, fault=fault))

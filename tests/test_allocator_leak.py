@@ -4,15 +4,15 @@ leak fault raises it through the Monitor, a clean engine never does."""
 from __future__ import annotations
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, drive
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.allocator import LeakTrend, unheld_from_state
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import AllocatorState
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, drive
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

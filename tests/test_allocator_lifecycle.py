@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, drive
 from prometheus_client import CollectorRegistry
 
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.allocator import LifecycleLog, LifecycleOp
 from sidecar.core.monitor import Monitor, SidecarConfig
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, drive
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

@@ -5,12 +5,12 @@ after every single request. A checker that cries wolf here would page someone ni
 from __future__ import annotations
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from prometheus_client import CollectorRegistry
 
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.core.monitor import Monitor, SidecarConfig
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 
 
 @pytest.mark.parametrize(("num_blocks", "max_running", "requests"), [

@@ -8,13 +8,13 @@ import json
 from functools import cache
 
 import pytest
+from kvtestbed.bench.args import KV_STORAGES as ARG_STORAGES
+from kvtestbed.bench.harness import Scenario, ScenarioResult, run_many
+from kvtestbed.engines.faults import FAULTS
+from kvtestbed.engines.hybrid_faults import fault_applies
+from kvtestbed.engines.quant import KV_STORAGES
 
-from sidecar.bench.args import KV_STORAGES as ARG_STORAGES
-from sidecar.bench.harness import Scenario, ScenarioResult, run_many
 from sidecar.cli.main import main
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.engines.reference.hybrid_faults import fault_applies
-from sidecar.engines.reference.quant import KV_STORAGES
 
 # A small pool makes the CPU tier spill and load (failed-load-as-hit) within 100 requests.
 REDUCED = {"requests": 100, "num_blocks": 64, "sample_every": 2}

@@ -8,14 +8,14 @@ import random
 from typing import Any
 
 import torch
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.sequence import Request
 
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.adapters.vllm.groups import choose_group_blocks, groups_from_config
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import CacheGroup, GroupKind, Hit, Lookup
 from sidecar.core.sampling import BlockCursors, UniformSampler, choose_blocks
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.sequence import Request
 
 BS = 16
 

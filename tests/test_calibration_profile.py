@@ -10,9 +10,13 @@ import logging
 from pathlib import Path
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.calibrate_cli import measure
+from kvtestbed.demo import SHIPPED_PROFILE, DemoOptions, sidecar_config
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.model import ModelConfig
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
-from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.calibrate_cli import measure
 from sidecar.checks.calibration import Calibration, CalibrationConfig
 from sidecar.checks.calibration_profile import (
     MAX_PROFILE_BYTES,
@@ -28,10 +32,6 @@ from sidecar.checks.tolerance import min_tolerance, tolerance_for
 from sidecar.cli.main import main
 from sidecar.config.settings import SidecarConfig
 from sidecar.core.monitor import Monitor
-from sidecar.demo import SHIPPED_PROFILE, DemoOptions, sidecar_config
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.model import ModelConfig
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 
 ENTRY = {"model": "tiny-llama", "dtype": "bfloat16", "reference": "independent",
          "floor": 0.0124, "tolerance": 0.0625, "blocks": 933, "multiple": 4.0,

@@ -1,5 +1,5 @@
 """Issue 21 break 6: the canary never trusts the server. Against a hostile server on
-127.0.0.1 (sidecar.bench.hostile_http): every malformed answer is a counted probe error
+127.0.0.1 (kvtestbed.bench.hostile_http): every malformed answer is a counted probe error
 (one-shot: exit 2 with the reason; long-running: it keeps going), a trickled answer times
 out at the request's deadline, an endless body stops at the size cap, a redirect is an
 error that says where it points."""
@@ -13,9 +13,9 @@ import threading
 from typing import Any
 
 import pytest
+from kvtestbed.bench.hostile_http import Answer, HostileServer, completion, honest
 
 from sidecar import signals as S
-from sidecar.bench.hostile_http import Answer, HostileServer, completion, honest
 from sidecar.canary.client import OpenAIClient, RequestFailed
 from sidecar.canary.endpoint import parse_endpoint
 from sidecar.canary.load import RateLimit

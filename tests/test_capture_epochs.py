@@ -8,15 +8,15 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.faults import Fault
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, Hit, Lookup, StoredBlock
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.faults import Fault
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.signals import AnomalyKind, DropReason
 
 

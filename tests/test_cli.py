@@ -9,11 +9,11 @@ import time
 import urllib.request
 
 import pytest
+from kvtestbed.demo import DemoOptions, run_demo
+from kvtestbed.engines.faults import FAULTS
 
 from sidecar import signals as S
 from sidecar.cli.main import main
-from sidecar.demo import DemoOptions, run_demo
-from sidecar.engines.reference.faults import FAULTS
 
 REQUIRED_KEYS = {"lookups", "hits", "hit_rate", "token_hit_rate", "verified", "anomalies",
                  "anomaly_rate", "allocation_failures", "fragmentation_ratio",

@@ -11,10 +11,12 @@ import gc
 
 import pytest
 import torch
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.content import check_content
 from sidecar.checks.device_digest import device_digest
 from sidecar.checks.fingerprint import (
@@ -30,8 +32,6 @@ from sidecar.core.capture_buffer import CaptureBuffer
 from sidecar.core.device import DeviceUnavailable, resolve_device
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, CacheGroup, EngineInfo, GroupKind
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.signals import AnomalyKind
 from tests.test_capture_epochs import ServedThenRepaired
 
@@ -226,7 +226,7 @@ def test_the_device_check_measures_on_cpu_and_refuses_a_missing_gpu(
         capsys: pytest.CaptureFixture[str]) -> None:
     """scripts/check-gpu.sh's module, on tiny blocks on the host (the CUDA run is the
     script's): every row measured, the capture copies what it was given, the table prints."""
-    from sidecar.bench import gpu_check
+    from kvtestbed.bench import gpu_check
 
     cpu = torch.device("cpu")
     rows = gpu_check.check_throughput(cpu, 2, (2, 2, 16, 8), 0.0)
@@ -253,8 +253,8 @@ def test_the_device_check_measures_on_cpu_and_refuses_a_missing_gpu(
 def test_model_and_pool_keep_every_tensor_on_their_device(kv_storage: str | None) -> None:
     """What ``--device cuda`` runs, on "meta": any tensor left on the host (a weight, the
     rotary buffer, token ids, an index, an adapter bias) fails the op that mixes them."""
-    from sidecar.engines.reference.model import ModelConfig, TinyLlama
-    from sidecar.engines.reference.pool import BlockPool
+    from kvtestbed.engines.model import ModelConfig, TinyLlama
+    from kvtestbed.engines.pool import BlockPool
 
     model = TinyLlama(ModelConfig(dtype="bfloat16"), device="meta")
     assert {t.device.type for t in [*model.model.parameters(), *model.model.buffers()]} \

@@ -13,4 +13,4 @@ def test_readme_signals_table_matches_signals_module():
     end = text.index("<!-- signals-table:end -->")
     assert text[start:end].strip() == signals.markdown_table().strip(), (
         "README signals table is stale: run `kv-sidecar signals --markdown` and paste it "
-        "between the signals-table markers (or `python -m sidecar.docs`)")
+        "between the signals-table markers (or `python -m kvtestbed.docs`)")

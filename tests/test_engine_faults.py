@@ -6,12 +6,12 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Request, Result
+from kvtestbed.engines.faults import FAULTS, Fault, describe_faults, make_fault
+from kvtestbed.engines.hybrid_faults import fault_applies
 
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.core.protocol import BlockRef, Lookup
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request, Result
-from sidecar.engines.reference.faults import FAULTS, Fault, describe_faults, make_fault
-from sidecar.engines.reference.hybrid_faults import fault_applies
 from tests.reference_helpers import RecordingSink, clean_small, outputs_by_tag, run_small
 
 # Knobs that make a fault act often enough on the small workload to be seen in a test.

@@ -8,17 +8,17 @@ from functools import cache
 
 import pytest
 import torch
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.faults import FAULTS
+from kvtestbed.engines.pool import BlockPool
+from kvtestbed.engines.quant import KV_STORAGES, quantize
+from kvtestbed.workload import ChatWorkload, drive
 
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.fingerprint import kv_digest
 from sidecar.checks.recompute import block_error
 from sidecar.checks.tolerance import tolerance_for
 from sidecar.core.protocol import BlockRef, Hit, Lookup, StoredBlock
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.engines.reference.pool import BlockPool
-from sidecar.engines.reference.quant import KV_STORAGES, quantize
-from sidecar.engines.reference.workload import ChatWorkload, drive
 from tests.reference_helpers import SMALL_POOL, SMALL_WORKLOAD
 
 

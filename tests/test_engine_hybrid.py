@@ -1,4 +1,4 @@
-"""The reference engine's hybrid models (sidecar/engines/reference/hybrid_*.py): per-group
+"""The reference engine's hybrid models (testbed/kvtestbed/engines/hybrid_*.py): per-group
 pools and block tables, the hybrid intersection, null blocks out of the window, recurrent
 state at block boundaries against a fresh HF prefill, and each hybrid fault injecting what
 it claims (ground truth, and the adapter's read vs recompute)."""
@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 import torch
+from kvtestbed.adapters.hybrid_adapter import HybridReferenceAdapter, make_adapter
+from kvtestbed.engines.config import EngineConfig
+from kvtestbed.engines.faults import FAULTS
+from kvtestbed.engines.hybrid_engine import NULL_BLOCK, HybridEngine
+from kvtestbed.engines.hybrid_faults import fault_applies
+from kvtestbed.engines.hybrid_model import model_config
+from kvtestbed.engines.sequence import Request
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from transformers import DynamicCache
 
-from sidecar.adapters.reference_hybrid import HybridReferenceAdapter, make_adapter
 from sidecar.checks.group_coverage import required_blocks
 from sidecar.checks.recompute import block_error
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockRef, GroupKind, Hit, Lookup, StoredBlock
-from sidecar.engines.reference.config import EngineConfig
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.engines.reference.hybrid_engine import NULL_BLOCK, HybridEngine
-from sidecar.engines.reference.hybrid_faults import fault_applies
-from sidecar.engines.reference.hybrid_model import model_config
-from sidecar.engines.reference.sequence import Request
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 
 BS = 16
 HYBRID_FAULTS = sorted(n for n, cls in FAULTS.items() if cls.needs_groups)
@@ -350,7 +350,7 @@ def test_bench_detection_runs_hybrid_faults_on_the_models_that_have_their_groups
 # ---------------------------------------------------------------------- demo and CLI
 @pytest.mark.parametrize("model", ["hybrid", "recurrent"])
 def test_demo_json_shows_hits_in_every_group_and_no_anomaly(model: str) -> None:
-    from sidecar.demo import DemoOptions, run_demo
+    from kvtestbed.demo import DemoOptions, run_demo
     s = run_demo(DemoOptions(model=model, requests=40, port=0, progress=False))
     assert s["model_kind"] == model and len(s["groups"]) == 2
     assert s["model"] == ("tiny-gemma2" if model == "hybrid" else "tiny-lfm2")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sidecar.engines.reference.pool import BlockPool, chain_hash
+from kvtestbed.engines.pool import BlockPool, chain_hash
 
 KEY = (("model_revision", "r1"), ("adapter", ""), ("cache_salt", ""))
 

@@ -7,19 +7,19 @@ import time
 
 import pytest
 import torch
-
-from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.checks.tolerance import tolerance_for
-from sidecar.core.protocol import Adapter, AdapterError, BlockRef, GroupKind, Hit, StoredBlock
-from sidecar.engines.reference.calibrate import ErrorRecorder
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request
-from sidecar.engines.reference.model import ModelConfig
-from sidecar.engines.reference.workload import (
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.calibrate import ErrorRecorder
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Request
+from kvtestbed.engines.model import ModelConfig
+from kvtestbed.workload import (
     ChatWorkload,
     WorkloadConfig,
     drive,
     token_hit_rate,
 )
+
+from sidecar.checks.tolerance import tolerance_for
+from sidecar.core.protocol import Adapter, AdapterError, BlockRef, GroupKind, Hit, StoredBlock
 from tests.reference_helpers import RecordingSink, clean_small, greedy_without_cache
 
 

@@ -13,21 +13,21 @@ from dataclasses import replace
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
-
-from sidecar.adapters.reference import ReferenceAdapter
-from sidecar.core.monitor import Monitor, SidecarConfig
-from sidecar.core.protocol import Hit, Lookup, StoredBlock, TierState
-from sidecar.engines.reference.blocks import BlockData
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine, Request
-from sidecar.engines.reference.faults import FAULTS
-from sidecar.engines.reference.pool import BlockPool
-from sidecar.engines.reference.tier import (
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.blocks import BlockData
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Request
+from kvtestbed.engines.faults import FAULTS
+from kvtestbed.engines.pool import BlockPool
+from kvtestbed.engines.tier import (
     CpuTier,
     IllegalTierTransition,
     TierEntry,
 )
-from sidecar.engines.reference.tier_worker import CopyWorker
+from kvtestbed.engines.tier_worker import CopyWorker
+from prometheus_client import CollectorRegistry
+
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Hit, Lookup, StoredBlock, TierState
 from sidecar.signals import AnomalyKind
 from tests.reference_helpers import greedy_without_cache
 

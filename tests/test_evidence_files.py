@@ -13,8 +13,8 @@ import zlib
 
 import pytest
 import torch
+from kvtestbed.bench.evidence_kill import kill_cycles
 
-from sidecar.bench.evidence_kill import kill_cycles
 from sidecar.cli.main import main
 from sidecar.evidence.plot import palette
 from sidecar.evidence.record import EvidenceLog, tensor_key

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from kvtestbed.bench.fuzz import _probe_corpus
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.wire import WireError, decode_capture
-from sidecar.bench.fuzz import _probe_corpus
 from sidecar.core.protocol import StoredBlock
 from tests.conftest import make_toy
 

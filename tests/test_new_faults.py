@@ -5,9 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
-from sidecar.engines.reference.faults import FAULTS, make_fault
-from sidecar.engines.reference.hybrid_faults import fault_applies
+from kvtestbed.engines.faults import FAULTS, make_fault
+from kvtestbed.engines.hybrid_faults import fault_applies
 
 
 def test_recurrent_double_apply_shifts_the_conv_window_at_an_exact_multiple_only() -> None:

@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
+from kvtestbed.demo import DemoOptions, build
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar import signals as S
 from sidecar.cli.main import main
-from sidecar.demo import DemoOptions, build
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.export.otel_push import (
     SPAN_ATTRIBUTES,
     SPAN_NAME,

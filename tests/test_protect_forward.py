@@ -346,7 +346,7 @@ def test_an_app_answers_its_paths_and_rewrites_the_rest(upstream: Upstream) -> N
 def test_the_reliability_bench_surface_checks_every_case() -> None:
     """bench reliability's replay-proxy surface: each hostile case answered as it should
     be, the proxy still serving, no thread or connection left behind."""
-    from sidecar.bench.reliability_proxy import proxy_surface
+    from kvtestbed.bench.reliability_proxy import proxy_surface
 
     row, extra = proxy_surface(200, seed=3)
     assert row.cases == 220 and row.survived == row.cases

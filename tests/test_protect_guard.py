@@ -25,7 +25,7 @@ from sidecar.canary.runner import CanaryConfig, make_canary
 from sidecar.cli.main import main
 from sidecar.protect.breaker import BreakerSettings, BypassBreaker, Route, Source, State
 from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig, pages_for
-from tests.test_canary import BLOCK, FakeServer
+from tests.canary_fake import BLOCK, FakeServer
 
 TOKEN = "s3cret-token"
 
@@ -372,7 +372,7 @@ def test_cli_refuses_a_public_listen_address_without_a_token(
 
 def test_bench_perf_guard_measures_both_paths_side_by_side() -> None:
     """`bench perf --guard --quick`: the figures exist and are measured, not asserted."""
-    from sidecar.bench.perf_guard import guard_rows
+    from kvtestbed.bench.perf_guard import guard_rows
 
     raw: dict[str, Any] = {}
     rows = guard_rows(quick=True, repeats=1, raw=raw)

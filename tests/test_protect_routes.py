@@ -17,7 +17,7 @@ import pytest
 from sidecar import signals as S
 from sidecar.protect.breaker import State
 from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig
-from sidecar.protect.wire import normal_path
+from sidecar.protect.http_messages import normal_path
 
 
 @contextlib.contextmanager

@@ -8,9 +8,10 @@ import pkgutil
 from collections.abc import Sequence
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
 
 import sidecar.adapters
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.core.conformance import check_adapter, check_protocol
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import (
@@ -24,7 +25,6 @@ from sidecar.core.protocol import (
     Hit,
 )
 from sidecar.core.time_limits import AdapterTimeout
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
 from tests.toy import ToyAdapter, ToyEngine
 
 
@@ -114,7 +114,7 @@ def _vllm_info() -> EngineInfo:
 def test_every_shipped_adapter_has_the_protocol_signatures():
     classes = _adapter_classes()
     # Discovery must find the adapters we know of, or it proves nothing.
-    assert {"sidecar.adapters.reference.ReferenceAdapter",
+    assert {"kvtestbed.adapters.paged_adapter.ReferenceAdapter",
             "sidecar.adapters.vllm.adapter.VllmAdapter"} <= set(classes)
     for cls in [*classes.values(), ToyAdapter]:
         assert check_adapter(cls) == [], cls

@@ -22,7 +22,7 @@ def test_bench_reliability_quick_json() -> None:
     assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
                          "adapter_faults", "evidence_sigkill",
                          "config_files", "config_env", "bearer_auth",
-                         "replay proxy"}  # sidecar/bench/reliability_proxy.py
+                         "replay proxy"}  # testbed/kvtestbed/bench/reliability_proxy.py
     for r in rows.values():
         assert r["cases"] > 0 and r["escaped"] == 0 and r["lost"] == 0, r
         assert r["survived"] == r["cases"], r

@@ -208,7 +208,7 @@ def test_probe_ipc_socket_is_owner_only_and_endpoints_allow_listed(tmp_path) -> 
 
 def test_handle_never_raises_under_mutation() -> None:
     """A short seeded mutation fuzz (the bench runs >= 100k): nothing escapes, threads live."""
-    from sidecar.bench.reliability import fuzz_events, fuzz_probe
+    from kvtestbed.bench.reliability import fuzz_events, fuzz_probe
 
     for result in (fuzz_events(2000, seed=1), fuzz_probe(2000, seed=2)):
         assert result.escaped == 0 and result.cases == 2000, result

@@ -7,15 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.checks.scrub import Scrubber, ScrubSettings
 from sidecar.checks.scrub_budget import RecomputeBudget
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import TierState
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.workload import ChatWorkload, WorkloadConfig, drive
 from tests.reference_helpers import SMALL_POOL
 
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.

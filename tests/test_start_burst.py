@@ -7,17 +7,17 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.sequence import Request
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.adapters.reference import ReferenceAdapter
 from sidecar.adapters.vllm.service import VllmSidecar, hello_build
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import Hit
 from sidecar.core.sampling import AdaptiveSampler, Burst, UniformSampler
 from sidecar.core.store_index import StoreIndex
-from sidecar.engines.reference.engine import EngineConfig, ReferenceEngine
-from sidecar.engines.reference.sequence import Request
 from sidecar.export.metrics import Metrics
 from sidecar.export.outlook import DetectionOutlook
 

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from kvtestbed.bench.harness import Scenario, run_many
+from kvtestbed.engines.faults import FAULTS
 from prometheus_client import generate_latest
 
 from sidecar import signals as S
-from sidecar.bench.harness import Scenario, run_many
 from sidecar.checks.calibration import Calibration, CalibrationConfig
 from sidecar.checks.tolerance import (
     MEASURED_MINIMUMS,
@@ -23,7 +24,6 @@ from sidecar.checks.tolerance import (
 from sidecar.cli.main import main
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, Hit
-from sidecar.engines.reference.faults import FAULTS
 from sidecar.signals import AnomalyKind
 from tests.toy import BS, ToyAdapter, ToyEngine, reference_kv
 
@@ -237,10 +237,11 @@ def test_storage_downcast_caught_in_bfloat16_only_under_the_calibrated_tolerance
 
 
 def test_tolerance_flags_reach_the_sidecar_config_of_demo_and_vllm_serve() -> None:
+    from kvtestbed.demo import DemoOptions, build
+
     from sidecar.adapters.vllm.cli import parser as vllm_parser
     from sidecar.checks.tolerance import config_fields
     from sidecar.cli.main import build_parser
-    from sidecar.demo import DemoOptions, build
 
     args = build_parser().parse_args(["demo", "--tolerance", "bfloat16=0.1", "--tolerance",
                                       "engine:float32=1e-5", "--calibrate", "32",

@@ -196,7 +196,7 @@ def test_receiver_fails_loudly_when_the_socket_is_taken() -> None:
 # ---------------------------------------------------------------------- adapter + Monitor
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from sidecar.adapters.vllm.tiny import write_tiny_llama
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
 

@@ -144,7 +144,7 @@ def test_state_block_crosses_the_probe_wire_with_an_empty_value() -> None:
 # ------------------------------------------------------------------ HF reference per group
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from sidecar.adapters.vllm.tiny_hybrid import write_tiny_gemma2, write_tiny_lfm2
+    from kvtestbed.tiny_models.tiny_hybrid import write_tiny_gemma2, write_tiny_lfm2
 
     root = tmp_path_factory.mktemp("hybrid")
     return {"gemma2": str(write_tiny_gemma2(root / "gemma2")),  # sliding 0, 2; full 1, 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from sidecar.adapters.vllm.tiny import write_tiny_llama
+from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
 
 def main() -> None:

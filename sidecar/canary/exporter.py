@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterable
 
 from sidecar import signals as S
-from sidecar.canary.audit import PairAudit
 from sidecar.canary.client import Completion
+from sidecar.canary.hit_audit import PairAudit
 from sidecar.export.metrics import Metrics
 from sidecar.signals import AnomalyKind, AuditKind
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.canary.audit import counter_sum
+from sidecar.canary.hit_audit import counter_sum
 
 REQUEST_COUNTERS = ("vllm:request_success_total", "sglang:num_requests_total")
 

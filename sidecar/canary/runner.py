@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.canary.audit import MetricsAudit, audit_pair, counter_sum, proven_hit_tokens
 from sidecar.canary.client import OpenAIClient, RequestFailed
 from sidecar.canary.compare import Tolerance, divergence
 from sidecar.canary.endpoint import CanaryError
 from sidecar.canary.exporter import CanaryExporter
+from sidecar.canary.hit_audit import MetricsAudit, audit_pair, counter_sum, proven_hit_tokens
 from sidecar.canary.load import RateLimit
 from sidecar.canary.probes import MODES, PromptFactory, boundary_lengths, run_pair
 from sidecar.signals import AuditKind

@@ -22,7 +22,7 @@ bfloat16        int8 (per row)   4.0e-2       -           2.5e-1   same
 ==============  ===============  ===========  ==========  =======  ============================
 
 int8 is the reference pool's symmetric per-row format (one scale per layer, block, head and
-token: ``sidecar/engines/reference/quant.py``); its rounding is at most ``amax / 254`` of a
+token: ``testbed/kvtestbed/engines/quant.py``); its rounding is at most ``amax / 254`` of a
 row. fp8 shares int8's tolerance but has no storage mode here to measure it on.
 
 A tolerance sits 6-15x above the noise floor it covers (600x in float32: headroom for

@@ -47,7 +47,7 @@ from sidecar.protect.forward import (
     Request,
     error,
 )
-from sidecar.protect.wire import normal_path
+from sidecar.protect.http_messages import normal_path
 
 log = logging.getLogger(__name__)
 ENGINE = "guard"

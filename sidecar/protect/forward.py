@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar.protect.wire import (
+from sidecar.protect.http_messages import (
     HOP_BY_HOP,
     BadRequest,
     ForwardLimits,

@@ -21,9 +21,9 @@ import pytest
 
 from sidecar.protect.breaker import BreakerSettings, State
 from sidecar.protect.bypass_guard import BypassGuard, GuardConfig
+from tests.canary_fake import FakeServer
 from tests.e2e.test_fleet import stack_mod
 from tests.promtools import require
-from tests.test_canary import FakeServer
 
 pytestmark = pytest.mark.e2e
 TOKEN = "am-guard-token"

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvtestbed.engines.model import ModelConfig, SequenceKV, TinyLlama
 from prometheus_client import CollectorRegistry
 
 from sidecar.adapters.lmcache import HFChunkReference, LMCacheAdapter, LMCacheMonitor
 from sidecar.core.monitor import SidecarConfig
-from sidecar.engines.reference.model import ModelConfig, SequenceKV, TinyLlama
 
 _instances = itertools.count()
 

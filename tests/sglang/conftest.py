@@ -31,7 +31,7 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from sidecar.adapters.vllm.tiny import write_tiny_llama
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
 

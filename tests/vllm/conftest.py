@@ -41,7 +41,7 @@ def clean_vllm_tmp() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from sidecar.adapters.vllm.tiny import write_tiny_llama
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
 

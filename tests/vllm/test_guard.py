@@ -123,7 +123,7 @@ def test_guard_keeps_answers_clean_and_reset_cleans_the_cache(server: Server) ->
 
     # The closed guard's overhead at the tests' concurrency, against this real server
     # (measured and reported, not asserted: `bench perf --guard` is where the target lives).
-    from sidecar.bench.perf_guard import measure
+    from kvtestbed.bench.perf_guard import measure
 
     plain = BypassGuard(GuardConfig(upstream=("127.0.0.1", server.port), model=canary.model,
                                     verify_every=0)).start()

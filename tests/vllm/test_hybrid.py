@@ -57,7 +57,7 @@ MODELS = [("gemma2", "float32"), ("gemma2", "bfloat16"), ("lfm2", "float32"),
 
 @pytest.fixture(scope="session")
 def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from sidecar.adapters.vllm.tiny_hybrid import write_tiny_gemma2, write_tiny_lfm2
+    from kvtestbed.tiny_models.tiny_hybrid import write_tiny_gemma2, write_tiny_lfm2
 
     root = tmp_path_factory.mktemp("hybrid")
     return {"gemma2": str(write_tiny_gemma2(root / "gemma2")),

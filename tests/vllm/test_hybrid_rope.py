@@ -30,7 +30,7 @@ pytestmark = pytest.mark.vllm
 
 def test_lfm2_keys_from_vllm_cpus_rotary_op_are_flagged_and_only_they(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    from sidecar.adapters.vllm.tiny_hybrid import write_tiny_lfm2
+    from kvtestbed.tiny_models.tiny_hybrid import write_tiny_lfm2
 
     model = str(write_tiny_lfm2(tmp_path_factory.mktemp("lfm2-rope") / "lfm2"))
     d = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))

@@ -7,8 +7,8 @@ LMCache itself is not imported here: the adapter only calls the engine object it
 
 from sidecar.adapters.lmcache.adapter import ChunkHit, LMCacheAdapter
 from sidecar.adapters.lmcache.layout import FlatServedKV, ServedKV, chunk_to_block
-from sidecar.adapters.lmcache.monitor import LMCacheMonitor
 from sidecar.adapters.lmcache.reference import HFChunkReference
+from sidecar.adapters.lmcache.tier_monitor import LMCacheMonitor
 
 __all__ = ["ChunkHit", "FlatServedKV", "HFChunkReference", "LMCacheAdapter",
            "LMCacheMonitor", "ServedKV", "chunk_to_block"]

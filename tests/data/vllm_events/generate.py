@@ -83,7 +83,7 @@ def main() -> None:
         record(sys.argv[1], sys.argv[2])
         return
     sys.path.insert(0, str(ROOT))
-    from sidecar.adapters.vllm.tiny import write_tiny_llama
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     with tempfile.TemporaryDirectory() as d:
         model = str(write_tiny_llama(Path(d) / "tiny"))

@@ -1,0 +1,39 @@
+"""Argument types and the usage error shared by the core CLI and the testbed's commands
+(:mod:`kvtestbed.commands`), kept apart from :mod:`sidecar.cli.main` so the testbed can use
+them without importing the CLI that imports it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+class UsageError(Exception):
+    """Bad user input: printed without a traceback, exit code 2."""
+
+
+def bounded(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: parse ``kind`` and check ``low <= value (<= high)``, with a message
+    that says what was expected (argparse turns it into exit code 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole number' if kind is int else 'number'}, got {text!r}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            bound = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = bounded(int, 1)
+nonneg_float = bounded(float, 0.0)
+port = bounded(int, 0, 65535)
+
+DTYPES = ("float32", "bfloat16", "float16")

@@ -1,1 +1,0 @@
-"""Engines kv-sidecar ships for demos, tests and benchmarks."""

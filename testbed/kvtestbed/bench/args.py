@@ -1,0 +1,60 @@
+"""Flags of ``kv-sidecar bench detection``, kept free of heavy imports: the CLI builds its
+parser on every invocation, and importing torch for ``--help`` would cost seconds."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODELS = ("reference", "hybrid", "recurrent")  # faults.MODEL_GROUP_KINDS (tested)
+KV_STORAGES = ("int8",)  # mirrors kvtestbed.engines.quant.KV_STORAGES (tested)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES, metavar="DTYPE",
+                   help=f"model/KV dtypes ({', '.join(DTYPES)}; default: all)")
+    p.add_argument("--faults", nargs="+", default=None, metavar="NAME",
+                   help="faults to run (default: every fault in `kv-sidecar faults`)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--requests", type=_positive, default=300,
+                   help="requests per fault run (default: 300)")
+    p.add_argument("--sample-every", type=_positive, default=2, metavar="N",
+                   help="verify 1 hit in N in the fault runs (default: 2)")
+    p.add_argument("--blocks-per-sample", type=_positive, default=None, metavar="N",
+                   help="blocks verified per sampled hit (default: all of them)")
+    p.add_argument("--clean-samples", type=int, default=5000, metavar="N",
+                   help="verified blocks per clean run, at least (default: 5000; 0: skip)")
+    p.add_argument("--clean-storage", nargs="+", default=["model", *KV_STORAGES],
+                   choices=["model", *KV_STORAGES], metavar="FORMAT",
+                   help="KV storage formats of the clean runs (default: model int8)")
+    p.add_argument("--policy-seeds", type=int, default=10, metavar="N",
+                   help="seeds per sampling-policy comparison (default: 10; 0: skip)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault and clean runs")
+    p.add_argument("--jobs", type=_positive, default=max(1, min(2, os.cpu_count() or 1)),
+                   help="worker processes (default: min(2, CPUs))")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 unless every fault is caught (recall 1.0, or an allocator "
+                        "signal) with no false alarm and every clean run is clean")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--calibrate", type=int, default=64, metavar="N",
+                   help="the sidecar calibrates its tolerance from the first N clean blocks "
+                        "of every run (default: 64, done before any fault starts; 0: the "
+                        "fixed tolerance table)")
+    p.add_argument("--model", nargs="+", default=["reference"], choices=MODELS,
+                   metavar="MODEL",
+                   help="reference engine models to run (reference, hybrid: Gemma2 sliding "
+                        "+ full, recurrent: LFM2 conv state + full; default: reference). "
+                        "Each fault runs on the models that have the cache groups it needs")
+    p.add_argument("--calibration-multiple", type=float, default=4.0, metavar="X",
+                   help="calibrated tolerance = X x noise floor (default: 4)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

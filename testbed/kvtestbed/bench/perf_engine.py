@@ -1,0 +1,206 @@
+"""Engine-level figures of ``kv-sidecar bench perf``, on the reference engine under the
+seeded chat workload: throughput with the sidecar attached vs detached (wall and
+engine-thread CPU), sampled-hit-to-verdict latency next to one prefill of the prefix, and
+the engine thread's hook tail latency while the verifier is busy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.engines import (
+    ChatWorkload,
+    EngineConfig,
+    ModelConfig,
+    ReferenceEngine,
+    WorkloadConfig,
+    drive,
+)
+from sidecar.checks.verifier import Verdict
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import Lookup
+
+# A realistic prefill for the "share of prefill" figure: an 8B dense model does about
+# 2 x 8e9 FLOPs per prompt token; 400 TFLOP/s is a sustained bf16 prefill on one H100-class
+# GPU (about 40% of its dense peak). Stated, not measured here.
+PREFILL_FLOPS_PER_TOKEN_8B = 2 * 8e9
+PREFILL_FLOP_PER_S = 400e12
+
+
+def _engine(seed: int, num_blocks: int = 256, kv_digest: bool = True) -> ReferenceEngine:
+    """``kv_digest``: the write-time fingerprint exists for the sidecar only, so the
+    detached baseline computes none and the attached runs pay for it (issue 22)."""
+    return ReferenceEngine(EngineConfig(model=ModelConfig(dtype="float32", seed=seed),
+                                        num_blocks=num_blocks, kv_digest=kv_digest))
+
+
+def _workload(engine: ReferenceEngine, seed: int, requests: int) -> ChatWorkload:
+    return ChatWorkload(WorkloadConfig(seed=seed, conversations=max(8, requests // 3 + 8),
+                                       block_size=engine.block_size))
+
+
+def run_engine(requests: int, sample_every: int | None, seed: int = 0,
+               time_lookups: bool = False, unlimited_budget: bool = False) -> dict[str, Any]:
+    """One seeded run. ``sample_every=None``: detached (no sink at all, no fingerprint).
+
+    Three clocks: wall time of the drive; the engine thread's CPU (``thread_time``); and
+    the whole process's CPU (``process_time``: every thread, the journal's, the
+    verifier's and the poller's included), from the drive's start until the sidecar has
+    drained and stopped, so deferred work is counted, not left behind."""
+    engine = _engine(seed, kv_digest=sample_every is not None)
+    monitor: Monitor | None = None
+    verify_latency: list[float] = []
+    lookup_ns: list[int] = []
+    lookup_sampled: list[bool] = []
+    if sample_every is not None:
+        cfg = SidecarConfig(sample_every=sample_every, seed=seed,
+                            recompute_tokens_per_s=0 if unlimited_budget else 100_000.0)
+        monitor = Monitor(ReferenceAdapter(engine), cfg)
+        if time_lookups:
+            _time_lookups(monitor, lookup_ns, lookup_sampled)
+        _time_verdicts(monitor, verify_latency)
+        engine.sink = monitor
+        monitor.start()
+    prompt_tokens = 0
+    workload = _workload(engine, seed, requests)
+    wall0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
+    results = drive(engine, workload, max_requests=requests)
+    wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+    for r in results:
+        prompt_tokens += r.prompt_tokens
+    if monitor is not None:
+        monitor.drain(timeout_s=120)
+        monitor.stop()
+    process_cpu = time.process_time() - proc0
+    return {"wall_s": wall, "engine_cpu_s": cpu, "process_cpu_s": process_cpu,
+            "requests": len(results), "prompt_tokens": prompt_tokens,
+            "verify_latency_s": verify_latency, "lookup_ns": lookup_ns,
+            "sampled": lookup_sampled}
+
+
+def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
+    """Sampled hit (capture) to verdict applied, per verdict."""
+    apply = monitor.apply
+
+    def timed(verdict: Verdict) -> None:
+        out.append(time.time() - verdict.sample.captured_at)
+        apply(verdict)
+
+    monitor.apply = timed  # type: ignore[method-assign]
+
+
+def _time_lookups(monitor: Monitor, out: list[int], sampled: list[bool]) -> None:
+    """Per lookup: ns on the engine thread, and whether it was sampled (took a sample at
+    match time), so the tail of unsampled hooks is reported apart from sampled ones."""
+    on_lookup = monitor.on_lookup
+    enqueue = monitor._enqueue
+    flag = [False]
+
+    def enqueued(*args: Any) -> None:
+        flag[0] = True
+        enqueue(*args)
+
+    def timed(lookup: Lookup) -> None:
+        flag[0] = False
+        t0 = time.perf_counter_ns()
+        on_lookup(lookup)
+        out.append(time.perf_counter_ns() - t0)
+        sampled.append(flag[0])
+
+    monitor._enqueue = enqueued  # type: ignore[method-assign,assignment]
+    monitor.on_lookup = timed  # type: ignore[method-assign]
+
+
+def engine_overhead(requests: int, repeats: int) -> dict[str, Any]:
+    """Detached vs N=1000 vs N=100, interleaved per repeat so drift hits all alike."""
+    torch.manual_seed(0)
+    runs: dict[str, list[dict[str, Any]]] = {"detached": [], "N=1000": [], "N=100": []}
+    for _ in range(repeats):
+        runs["detached"].append(run_engine(requests, None))
+        runs["N=1000"].append(run_engine(requests, 1000))
+        runs["N=100"].append(run_engine(requests, 100))
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        out[name] = {
+            "wall_s": statistics.median(r["wall_s"] for r in rs),
+            "engine_cpu_s": statistics.median(r["engine_cpu_s"] for r in rs),
+            "process_cpu_s": statistics.median(r["process_cpu_s"] for r in rs),
+            "wall_spread": [min(r["wall_s"] for r in rs), max(r["wall_s"] for r in rs)],
+            "cpu_spread": [min(r["engine_cpu_s"] for r in rs),
+                           max(r["engine_cpu_s"] for r in rs)],
+            "process_cpu_spread": [min(r["process_cpu_s"] for r in rs),
+                                   max(r["process_cpu_s"] for r in rs)],
+            "requests": rs[0]["requests"], "prompt_tokens": rs[0]["prompt_tokens"],
+        }
+    # Ratios per interleaved repeat (detached / attached of the same repeat): their spread
+    # is what load does to the ratio itself.
+    for name in ("N=1000", "N=100"):
+        for clock in ("wall_s", "engine_cpu_s", "process_cpu_s"):
+            ratios = [d[clock] / a[clock]
+                      for d, a in zip(runs["detached"], runs[name], strict=True)]
+            out[name][f"ratio_{clock}"] = {"median": statistics.median(ratios),
+                                           "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def verification_latency(requests: int) -> dict[str, Any]:
+    """Sampled hit to verdict (P50/P99) at 1 in 10 with an unlimited recompute budget, next
+    to one from-scratch prefill of a median verified prefix on the same model."""
+    run = run_engine(requests, 10, unlimited_budget=True)
+    lat = sorted(run["verify_latency_s"])
+    engine = _engine(0)
+    tokens = [3 + (7 * i) % 200 for i in range(256)]
+    engine.model.prefill(tokens, "")
+    prefill = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        engine.model.prefill(tokens, "")
+        prefill.append(time.perf_counter() - t0)
+    return {"verdicts": len(lat), "p50_s": _pct(lat, 0.50), "p99_s": _pct(lat, 0.99),
+            "prefill_256_tokens_s": statistics.median(prefill)}
+
+
+def hook_tail_latency(requests: int, repeats: int = 1) -> dict[str, Any]:
+    """Per-call on_lookup latency on the engine thread, same workload: the unsampled hooks
+    while the verifier works (1 in 2 sampled, unlimited budget) vs idle (nothing
+    sampled); the sampled lookups of the busy run (their capture at match time) apart.
+    Per repeat one busy and one idle run, interleaved; each percentile with its spread."""
+    busy: list[dict[str, float]] = []
+    sampled: list[dict[str, float]] = []
+    idle: list[dict[str, float]] = []
+    for _ in range(repeats):
+        run = run_engine(requests, 2, time_lookups=True, unlimited_budget=True)
+        pairs = list(zip(run["lookup_ns"], run["sampled"], strict=True))
+        busy.append(_tail([ns for ns, s in pairs if not s]))
+        sampled.append(_tail([ns for ns, s in pairs if s]))
+        idle.append(_tail(run_engine(requests, 10**9, time_lookups=True)["lookup_ns"]))
+    return {"busy_unsampled": _spread(busy), "sampled": _spread(sampled),
+            "idle": _spread(idle)}
+
+
+def _spread(tails: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Median of each percentile over repeats, and its min..max."""
+    out: dict[str, Any] = {}
+    for k in tails[0]:
+        vals = [t[k] for t in tails]
+        out[k] = statistics.median(vals)
+        out[f"{k}_spread"] = [min(vals), max(vals)]
+    return out
+
+
+def _tail(ns: Sequence[int]) -> dict[str, float]:
+    s = sorted(ns)
+    return {"calls": len(s), "p50_ns": _pct(s, 0.5), "p99_ns": _pct(s, 0.99),
+            "p999_ns": _pct(s, 0.999)}
+
+
+def _pct(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return float(sorted_values[i])

@@ -1,0 +1,135 @@
+"""``kv-sidecar calibrate``: measure the noise floor on a trusted engine, write a profile.
+
+For the reference engines (the testbed: ``--model reference hybrid recurrent``) a trusted
+engine is a clean one: a demo-like chat workload with no fault, every hit sampled and every
+block of it verified, the tolerance held at the fixed table so nothing learnt can hide a
+block. The largest error among the blocks that passed is the floor; the profile's tolerance
+is ``multiple x floor`` (3 by default: the floor here is the largest error over thousands of
+blocks, long contexts included, where a learnt one is the largest of the first 64 and takes
+4x), clamped like a learnt one (:mod:`sidecar.checks.calibration`). A run that
+flagged anything is refused: a profile must not be measured on an engine that is not clean.
+Entries already in ``--out`` for other keys are kept (``--replace`` drops them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sidecar.checks.calibration_profile import (
+    Profile,
+    ProfileEntry,
+    ProfileError,
+    load_profile,
+    save_profile,
+)
+from sidecar.checks.tolerance import DEFAULT_CALIBRATION_SAMPLES, min_tolerance
+
+MODELS = ("reference", "hybrid", "recurrent")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(sub: Any) -> None:
+    c = sub.add_parser(
+        "calibrate", help="measure the recompute noise floor on a trusted engine and write "
+                          "a calibration profile",
+        description=__doc__.splitlines()[0] + " The sidecar loads it at start "
+                    "(calibration_profile / --calibration-profile / "
+                    "KVSIDECAR_CALIBRATION_PROFILE).")
+    c.add_argument("--out", required=True, metavar="FILE", help="the profile to write")
+    c.add_argument("--model", nargs="+", choices=MODELS, default=["reference"],
+                   help="reference engine models to calibrate (default: reference)")
+    c.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES),
+                   help="KV dtypes to calibrate (default: all three)")
+    c.add_argument("--requests", type=_positive, default=200,
+                   help="requests of the clean chat workload per model and dtype "
+                        "(default: 200)")
+    c.add_argument("--min-blocks", type=_positive, default=DEFAULT_CALIBRATION_SAMPLES,
+                   help="refuse to write an entry measured over fewer clean blocks "
+                        f"(default: {DEFAULT_CALIBRATION_SAMPLES})")
+    c.add_argument("--multiple", type=float, default=3.0,
+                   help="profile tolerance = X x the floor (default: 3)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--replace", action="store_true",
+                   help="write only the new entries (default: keep the file's other ones)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def measure(model: str, dtype: str, requests: int, seed: int, multiple: float,
+            min_blocks: int) -> ProfileEntry:
+    """One clean reference-engine run -> its profile entry; ``ValueError`` when the run
+    was not clean or verified too few blocks."""
+    from kvtestbed.demo import DemoOptions, build
+    from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
+
+    opts = DemoOptions(fault="none", model=model, dtype=dtype, requests=requests,
+                       sample_every=1, seed=seed, progress=False,
+                       sidecar={"blocks_per_sample": 1 << 16, "calibration_samples": 0,
+                                "calibration_profile": "", "dispatch": "inline",
+                                "allocator_every_s": 0.0})
+    engine, monitor = build(opts)
+    monitor.start()
+    try:
+        drive(engine, ChatWorkload(WorkloadConfig(
+            seed=seed, conversations=max(8, requests // 3 + 8),
+            block_size=engine.block_size)), max_requests=requests)
+        monitor.drain(timeout_s=600)
+        summary = monitor.summary()
+    finally:
+        monitor.stop()
+    flagged = sum(summary["anomalies"].values())
+    if flagged:
+        raise ValueError(f"{model}/{dtype}: the calibration run flagged {flagged} anomalies "
+                         f"({summary['anomalies']}): not a trusted engine, no profile written")
+    kind = monitor.verifier.reference_kind
+    state = next(s for s in monitor.verifier.calibration.states() if s.reference == kind)
+    if state.clean_blocks < min_blocks:
+        raise ValueError(f"{model}/{dtype}: only {state.clean_blocks} clean blocks verified "
+                         f"(--min-blocks {min_blocks}); raise --requests")
+    tolerance = min(state.ceiling, max(min_tolerance(dtype), multiple * state.clean_max))
+    info = monitor.info
+    return ProfileEntry(model=info.model, dtype=dtype, reference=kind,
+                        floor=state.clean_max, tolerance=tolerance,
+                        blocks=state.clean_blocks, multiple=multiple,
+                        kv_storage=info.kv_storage, engine=info.engine)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    if not (args.multiple >= 1 and args.multiple < float("inf")):
+        print("kv-sidecar: error: --multiple must be a finite number >= 1", file=sys.stderr)
+        return 2
+    old = Profile(())
+    if not args.replace:
+        try:
+            old = load_profile(args.out)
+        except ProfileError as exc:
+            if "no such file" not in str(exc):
+                print(f"kv-sidecar: error: {exc} (use --replace to overwrite it)",
+                      file=sys.stderr)
+                return 2
+    entries = []
+    for model in args.model:
+        for dtype in args.dtype:
+            try:
+                entry = measure(model, dtype, args.requests, args.seed, args.multiple,
+                                args.min_blocks)
+            except ValueError as exc:
+                print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+                return 1
+            entries.append(entry)
+            print(f"{entry.model:<12} {dtype:<9} {entry.reference:<11} floor "
+                  f"{entry.floor:.3g} over {entry.blocks} clean blocks -> tolerance "
+                  f"{entry.tolerance:.3g}", flush=True)
+    save_profile(args.out, old.merged(Profile(tuple(entries), str(args.out))))
+    print(f"wrote {args.out} ({len(entries)} entries)")
+    return 0
