@@ -167,6 +167,8 @@ def build_schema() -> Schema:
         try:
             if command.section in EXTRA_OF:
                 require(EXTRA_OF[command.section])
+            if command.section in TESTBED_SECTIONS:
+                _require_testbed(command.section)
             sections[command.section] = command_keys(command)
         except (MissingExtra, ImportError) as exc:  # the lean runtime: no vLLM adapter
             unavailable[command.section] = str(exc)
@@ -174,3 +176,12 @@ def build_schema() -> Schema:
 
 
 EXTRA_OF = {"vllm": "vllm"}  # sections whose parser needs an extra (sidecar/core/extras.py)
+TESTBED_SECTIONS = ("demo",)  # sections of a testbed command (kvtestbed.commands)
+
+
+def _require_testbed(section: str) -> None:
+    """The lean runtime has no testbed: its commands' sections are unavailable, not unknown."""
+    from sidecar.cli.main import TESTBED_MISSING, _testbed
+
+    if _testbed() is None:
+        raise ImportError(TESTBED_MISSING.format(command=section))
