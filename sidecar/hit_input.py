@@ -22,6 +22,7 @@ from sidecar.signals import InputReject
 
 _MAX_GENERATION = 1 << 62
 _TEXT = (str, bytes, bytearray)
+_PLAIN = (list, tuple, range)
 
 
 def _ids_reason(ids: Any, hi: int) -> InputReject | None:
@@ -30,6 +31,8 @@ def _ids_reason(ids: Any, hi: int) -> InputReject | None:
         return InputReject.TYPE
     if len(ids) > MAX_TOKENS:
         return InputReject.ABSURD
+    if type(ids) not in _PLAIN and len(ids):  # a stranger: indexed as the sampler will
+        ids[0], ids[len(ids) - 1]  # raises for a sequence that lies
     for b in ids:  # the common case without a call per id
         if type(b) is not int or not 0 <= b <= hi:
             return check_block_ids(ids, hi) or None
