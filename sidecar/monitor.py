@@ -182,8 +182,8 @@ class Monitor(JournaledHooks):
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
-            if type(lookup) is not Lookup:  # None, a stranger: no exception to pay for
-                self._reject("on_lookup", HI.check_lookup(lookup))
+            if type(lookup) is not Lookup:  # None, a stranger (a subclass too): refused
+                self._reject("on_lookup", HI.InputReject.TYPE)
                 return
             q, h = lookup.query_tokens, lookup.hit_tokens
             # The counts checked in O(1) inline (sidecar.hook_input has the full rules and
