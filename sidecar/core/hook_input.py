@@ -44,47 +44,57 @@ def _int_reason(v: Any, hi: int) -> InputReject | None:
 def check_lookup(lookup: Any) -> InputReject | None:
     """A :class:`Lookup`: counts are ints in range, a hit (if any) is a :class:`Hit` whose
     tokens cover its length."""
-    if not isinstance(lookup, Lookup):
-        return InputReject.TYPE
-    why = _int_reason(lookup.query_tokens, MAX_TOKENS) or \
-        _int_reason(lookup.hit_tokens, MAX_TOKENS)
-    if why is not None:
-        return why
-    if lookup.hit_tokens > lookup.query_tokens:
-        return InputReject.INCONSISTENT
-    hit = lookup.hit
-    if hit is None:
+    try:
+        if not isinstance(lookup, Lookup):
+            return InputReject.TYPE
+        why = _int_reason(lookup.query_tokens, MAX_TOKENS) or \
+            _int_reason(lookup.hit_tokens, MAX_TOKENS)
+        if why is not None:
+            return why
+        if lookup.hit_tokens > lookup.query_tokens:
+            return InputReject.INCONSISTENT
+        hit = lookup.hit
+        if hit is None:
+            return None
+        if not isinstance(hit, Hit) or not isinstance(hit.blocks, Mapping) or \
+                not isinstance(hit.tokens, Sequence) or not isinstance(hit.generations, Mapping):
+            return InputReject.TYPE
+        why = _int_reason(hit.hit_tokens, MAX_TOKENS)
+        if why is not None:
+            return why
+        if len(hit.blocks) > MAX_GROUP:  # tokens may be empty: unsampled probe lookups
+            return InputReject.INCONSISTENT
         return None
-    if not isinstance(hit, Hit) or not isinstance(hit.blocks, Mapping) or \
-            not isinstance(hit.tokens, Sequence) or not isinstance(hit.generations, Mapping):
+    except Exception:  # a hostile object's own __len__/attributes raised
         return InputReject.TYPE
-    why = _int_reason(hit.hit_tokens, MAX_TOKENS)
-    if why is not None:
-        return why
-    if len(hit.blocks) > MAX_GROUP:  # tokens may be empty: unsampled probe lookups
-        return InputReject.INCONSISTENT
-    return None
 
 
 def check_store(block: Any) -> InputReject | None:
     """A :class:`StoredBlock` with ids, generation and lengths in range."""
-    if not isinstance(block, StoredBlock) or not isinstance(block.tokens, Sequence):
+    try:
+        if not isinstance(block, StoredBlock) or not isinstance(block.tokens, Sequence):
+            return InputReject.TYPE
+        return (_int_reason(block.group_id, MAX_GROUP)
+                or _int_reason(block.block_id, MAX_BLOCK_ID)
+                or _int_reason(block.generation, 1 << 62)
+                or _int_reason(block.prefix_tokens, MAX_TOKENS)
+                or (InputReject.ABSURD if len(block.tokens) > MAX_BLOCK_TOKENS else None))
+    except Exception:  # a hostile object's own __len__/attributes raised
         return InputReject.TYPE
-    return (_int_reason(block.group_id, MAX_GROUP) or _int_reason(block.block_id, MAX_BLOCK_ID)
-            or _int_reason(block.generation, 1 << 62)
-            or _int_reason(block.prefix_tokens, MAX_TOKENS)
-            or (InputReject.ABSURD if len(block.tokens) > MAX_BLOCK_TOKENS else None))
 
 
 def check_blocks(group_id: Any, block_ids: Any) -> InputReject | None:
     """``on_free``/``on_allocate``/``on_release`` arguments: a group id and a sequence of
     block ids (its length only: the ids themselves are checked where they are used)."""
-    why = _int_reason(group_id, MAX_GROUP)
-    if why is not None:
-        return why
-    if not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):
+    try:
+        why = _int_reason(group_id, MAX_GROUP)
+        if why is not None:
+            return why
+        if not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):
+            return InputReject.TYPE
+        return InputReject.ABSURD if len(block_ids) > MAX_TOKENS else None
+    except Exception:  # a hostile object's own __len__/attributes raised
         return InputReject.TYPE
-    return InputReject.ABSURD if len(block_ids) > MAX_TOKENS else None
 
 
 def check_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID) -> InputReject | None:

@@ -28,7 +28,14 @@ from typing import Any
 
 from sidecar.allocator import LifecycleLog, LifecycleOp
 from sidecar.checks.keys import tokens_hash
-from sidecar.core.hook_input import check_block_ids, check_blocks, check_store
+from sidecar.core.hook_input import (
+    MAX_BLOCK_ID,
+    MAX_GROUP,
+    MAX_TOKENS,
+    check_block_ids,
+    check_blocks,
+    check_store,
+)
 from sidecar.core.protocol import StoredBlock
 from sidecar.core.store_index import StoreIndex
 from sidecar.signals import InputReject
@@ -39,6 +46,20 @@ _STORE, _FREE, _LIFECYCLE = 0, 1, 2
 # The hook a lifecycle event came through, for the reject counter's label.
 _LIFECYCLE_HOOK = {LifecycleOp.ALLOCATE: "on_allocate", LifecycleOp.FREE: "on_release",
                    LifecycleOp.HIT: "on_lookup"}
+# The event kinds, for hooks that append inline (see ``events``).
+STORE_EVENT, FREE_EVENT, LIFECYCLE_EVENT = _STORE, _FREE, _LIFECYCLE
+_OP_STORE, _OP_EVICT = LifecycleOp.STORE, LifecycleOp.EVICT
+_MAX_GENERATION = 1 << 62  # as sidecar.core.hook_input.check_store
+_now = time.time
+
+
+def _plain_ids(ids: tuple[Any, ...], hi: int) -> bool:
+    """Every id a plain ``int`` in ``[0, hi]``: the common case, checked without a call per
+    id (anything else goes to :func:`~sidecar.core.hook_input.check_block_ids` for its reason)."""
+    for b in ids:  # noqa: SIM110 (a loop: all() over a generator costs 3x per id)
+        if type(b) is not int or not 0 <= b <= hi:
+            return False
+    return True
 
 
 class CacheEventJournal:
@@ -65,6 +86,8 @@ class CacheEventJournal:
         self.applied = 0
 
     # ------------------------------------------------------------------ engine thread
+    # The Monitor's hooks append these same tuples to ``events`` inline (a method call is a
+    # third of an O(1) hook, sidecar.core.journal_hooks); these methods are the reference form.
     def store(self, block: StoredBlock) -> None:
         pending = self._pending
         if len(pending) >= self.wake_at:
@@ -73,13 +96,13 @@ class CacheEventJournal:
             digest: int | None = tokens_hash(block.tokens)
         except TypeError:  # unhashable token values: rejected when applied, never raised
             digest = None
-        pending.append((_STORE, block, digest, time.time()))
+        pending.append((_STORE, block, digest, _now()))
 
     def free(self, group_id: int, block_ids: Sequence[int]) -> None:
         pending = self._pending
         if len(pending) >= self.wake_at:
             self._nudge()
-        pending.append((_FREE, group_id, tuple(block_ids), time.time()))
+        pending.append((_FREE, group_id, tuple(block_ids), _now()))
 
     def lifecycle_event(self, op: LifecycleOp, group_id: int, seq_id: Any,
                         block_ids: Sequence[int], generations: Sequence[int] = (),
@@ -89,7 +112,16 @@ class CacheEventJournal:
         if len(pending) >= self.wake_at:
             self._nudge()
         pending.append((_LIFECYCLE, op, group_id, seq_id, tuple(block_ids),
-                        tuple(generations), length, time.time()))
+                        tuple(generations), length, _now()))
+
+    @property
+    def events(self) -> deque[tuple[Any, ...]]:
+        """The pending events, for hooks that append in the forms above inline (engine
+        thread only; check ``len(events) >= wake_at`` first and call :meth:`nudge`)."""
+        return self._pending
+
+    def nudge(self) -> None:
+        self._nudge()
 
     def _nudge(self) -> None:
         """Many events wait: wake the thread now; past max_pending, reset (bounded)."""
@@ -109,44 +141,74 @@ class CacheEventJournal:
 
     # ------------------------------------------------------------------ applying
     def drain(self) -> int:
-        """Apply every pending event, in order; returns how many."""
+        """Apply every pending event, in order; returns how many.
+
+        One pass under the index's lock (:meth:`StoreIndex.locked`), the input checks done
+        inline for the common case (plain ints in range); anything else goes to
+        :mod:`sidecar.core.hook_input`'s full checks, which name the reason it is rejected for
+        (counted under its hook, never raised). The lifecycle events are appended as one
+        batch (:meth:`LifecycleLog.extend`): per event, only the work the event needs."""
         pending = self._pending
         if not pending:
             return 0
         n = 0
+        reject = self._reject
         with self._lock:
             index, lifecycle = self.index, self.lifecycle
-            while pending:
-                try:
-                    ev = pending.popleft()
-                except IndexError:
-                    break
-                n += 1
-                try:
-                    if ev[0] == _STORE:
-                        block: StoredBlock = ev[1]
-                        if self._reject("on_store", check_store(block) or (
-                                InputReject.TYPE if ev[2] is None else None)):
-                            continue
-                        index.record(block, ev[2])
-                        lifecycle.record(LifecycleOp.STORE, block.group_id, block.seq_id,
-                                         (block.block_id,), (block.generation,),
-                                         block.prefix_tokens + len(block.tokens), at=ev[3])
-                    elif ev[0] == _FREE:
-                        if self._reject("on_free", check_blocks(ev[1], ev[2])
-                                        or check_block_ids(ev[2])):
-                            continue
-                        index.forget(ev[1], ev[2])
-                        lifecycle.record(LifecycleOp.EVICT, ev[1], None, ev[2], at=ev[3])
-                    else:
-                        _, op, group, seq, ids, gens, length, at = ev
-                        if self._reject(_LIFECYCLE_HOOK.get(op, "on_release"),
-                                        check_block_ids(ids)
-                                        or check_block_ids(gens, 1 << 62)):
-                            continue
-                        lifecycle.record(op, group, seq, ids, gens, length, at=at)
-                except Exception:  # a malformed event: dropped, the rest still applied
-                    log.exception("cache event could not be applied (dropped)")
+            number = lifecycle.events
+            batch: list[tuple[Any, ...]] = []
+            add = batch.append
+            popleft = pending.popleft
+            with index.locked():
+                record, forget = index.record_locked, index.forget_locked
+                while pending:
+                    try:
+                        ev = popleft()
+                    except IndexError:
+                        break
+                    n += 1
+                    try:
+                        kind = ev[0]
+                        if kind == _STORE:
+                            block: StoredBlock = ev[1]
+                            g, b = block.group_id, block.block_id
+                            gen, prefix = block.generation, block.prefix_tokens
+                            if not (type(g) is int and 0 <= g <= MAX_GROUP
+                                    and type(b) is int and 0 <= b <= MAX_BLOCK_ID
+                                    and type(gen) is int and 0 <= gen <= _MAX_GENERATION
+                                    and type(prefix) is int and 0 <= prefix <= MAX_TOKENS
+                                    and ev[2] is not None) \
+                                    and reject("on_store", check_store(block) or (
+                                        InputReject.TYPE if ev[2] is None else None)):
+                                continue
+                            record(block, ev[2])
+                            number += 1
+                            add((number, ev[3], _OP_STORE, g, block.seq_id, (b,), (gen,),
+                                 prefix + len(block.tokens)))
+                        elif kind == _FREE:
+                            g, ids = ev[1], ev[2]
+                            if not (type(g) is int and 0 <= g <= MAX_GROUP
+                                    and len(ids) <= MAX_TOKENS
+                                    and _plain_ids(ids, MAX_BLOCK_ID)) \
+                                    and reject("on_free", check_blocks(g, ids)
+                                               or check_block_ids(ids)):
+                                continue
+                            forget(g, ids)
+                            number += 1
+                            add((number, ev[3], _OP_EVICT, g, None, ids, (), None))
+                        else:
+                            _, op, group, seq, ids, gens, length, at = ev
+                            if not (_plain_ids(ids, MAX_BLOCK_ID)
+                                    and _plain_ids(gens, _MAX_GENERATION)) \
+                                    and reject(_LIFECYCLE_HOOK.get(op, "on_release"),
+                                               check_block_ids(ids)
+                                               or check_block_ids(gens, _MAX_GENERATION)):
+                                continue
+                            number += 1
+                            add((number, at, op, group, seq, ids, gens, length))
+                    except Exception:  # a malformed event: dropped, the rest still applied
+                        log.exception("cache event could not be applied (dropped)")
+            lifecycle.extend(batch)
             self.applied += n
         return n
 

@@ -34,7 +34,9 @@ from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
 from sidecar.config.settings import SidecarConfig
 from sidecar.core import hook_input as HI
 from sidecar.core.dispatch import Dispatcher
+from sidecar.core.hit_input import check_sampled_hit
 from sidecar.core.journal import CacheEventJournal
+from sidecar.core.journal_hooks import JournaledHooks
 from sidecar.core.protocol import (
     Adapter,
     AllocatorState,
@@ -44,7 +46,6 @@ from sidecar.core.protocol import (
     Hit,
     Lookup,
     SequenceId,
-    StoredBlock,
     TierState,
 )
 from sidecar.core.report import VerdictReporter
@@ -63,14 +64,12 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_TOKEN_SEQS = (list, tuple, range)  # sequences the O(1) door lets through unexamined
-
 # The hooks whose errors are counted (kvsidecar_hook_errors_total{hook}), created at 0.
 HOOKS = ("on_lookup", "on_captured", "on_store", "on_free", "on_request_done", "on_allocate",
          "on_release", "capture", "on_tier")
 
 
-class Monitor:
+class Monitor(JournaledHooks):
     """Implements :class:`sidecar.core.protocol.EventSink`; see the module docstring."""
 
     def __init__(self, adapter: Adapter, config: SidecarConfig | None = None,
@@ -135,14 +134,12 @@ class Monitor:
         # Hits per cache group: a one-group engine's series is the hits cell itself (no
         # hot-path cost); a hybrid one counts the groups of each hit on the way to sampling.
         self._should_sample = self.group_signals.wrap(self.sampler.should_sample)
-        self._journal_store = self.journal.store
-        self._journal_free = self.journal.free
+        self._journal_events = self.journal.events  # the journaled hooks append inline
         self._nudge = self.poller.nudge
         capture = getattr(adapter, "capture", None) if c.capture else None
         self._capture = capture if callable(capture) else None
         self._started = False
-        # Background scrub and protective actions (sidecar/checks/scrub.py,
-        # sidecar/protect/actions.py;
+        # Background scrub and protective actions (sidecar/scrub.py, sidecar/actions.py;
         # off by default): verdict listeners run after each verdict is reported, and the
         # engine reads ``hits_allowed`` (a plain attribute, O(1)) at lookup: the circuit
         # breaker clears it while open.
@@ -157,7 +154,7 @@ class Monitor:
             if breaker is not None:
                 scrubber.probe_mode = lambda: breaker.open
         self.verdict_listeners.extend(self.actions.listeners())
-        # Verified share, expected time to detection, start bursts (sidecar/export/outlook.py).
+        # Verified share, expected time to detection, start bursts (sidecar/outlook.py).
         self.outlook = DetectionOutlook(m, self.stored, self.sampler,
                                         lambda: self._c_hits.value, c.detection_fault_fraction)
         self.verdict_listeners.append(self.outlook.on_verdict)
@@ -185,8 +182,8 @@ class Monitor:
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
         try:
-            if type(lookup) is not Lookup:  # None, a stranger: no exception to pay for
-                self._reject("on_lookup", HI.check_lookup(lookup))
+            if type(lookup) is not Lookup:  # None, a stranger (a subclass too): refused
+                self._reject("on_lookup", HI.InputReject.TYPE)
                 return
             q, h = lookup.query_tokens, lookup.hit_tokens
             # The counts checked in O(1) inline (sidecar.core.hook_input has the full rules and
@@ -201,8 +198,9 @@ class Monitor:
             self._c_hits.value += 1
             self._c_hit_tokens.value += h
             hit = lookup.hit
-            if hit is not None and self._should_sample(hit):
-                if self._reject("on_lookup", HI.check_lookup(lookup)):
+            if hit is not None and self._should_sample(hit):  # walked from here on
+                if self._reject("on_lookup", HI.check_lookup(lookup)
+                                or check_sampled_hit(hit, self.info.groups)):
                     return
                 self._enqueue(hit, lookup.seq_id, h)
         except Exception as exc:
@@ -214,7 +212,9 @@ class Monitor:
         the same dispatch, with the blocks as the capture. Returns the verdict in inline
         dispatch mode. Never raises."""
         try:
-            if self._reject("on_captured", HI.check_lookup(lookup)):
+            hit = lookup.hit if type(lookup) is Lookup else None
+            if self._reject("on_captured", HI.check_lookup(lookup) or (
+                    None if hit is None else check_sampled_hit(hit, self.info.groups))):
                 return None
             self._c_lookups.value += 1
             self._c_query_tokens.value += lookup.query_tokens
@@ -235,55 +235,7 @@ class Monitor:
             self._hook_failed("on_captured", exc)
             return None
 
-    def on_store(self, block: StoredBlock) -> None:
-        try:
-            # Checked in O(1) here and fully where the journal applies it (sidecar.core.journal).
-            if (type(block) is not StoredBlock or type(block.tokens) not in _TOKEN_SEQS
-                    or len(block.tokens) > HI.MAX_BLOCK_TOKENS) \
-                    and self._reject("on_store", HI.check_store(block)):
-                return
-            self._journal_store(block)
-            if self._sampler_store is not None:
-                self._sampler_store(block)
-        except Exception as exc:
-            self._hook_failed("on_store", exc)
-
-    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
-        try:
-            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
-                    or len(block_ids) > HI.MAX_TOKENS) \
-                    and self._reject("on_free", HI.check_blocks(group_id, block_ids)):
-                return
-            self._journal_free(group_id, block_ids)
-            if self._sampler_free is not None:
-                self._sampler_free(group_id, block_ids)
-        except Exception as exc:
-            self._hook_failed("on_free", exc)
-
-    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
-                    generations: Sequence[int]) -> None:
-        """Optional lifecycle event (:class:`sidecar.core.protocol.BlockLifecycleSink`)."""
-        try:
-            if self._reject("on_allocate", HI.check_blocks(group_id, block_ids)
-                            or HI.check_blocks(group_id, generations)):
-                return
-            self.journal.lifecycle_event(LifecycleOp.ALLOCATE, group_id, seq_id, block_ids,
-                                  generations)
-        except Exception as exc:
-            self._hook_failed("on_allocate", exc)
-
-    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
-        """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
-        check, since a release is where premature and double frees happen."""
-        try:
-            if self._reject("on_release", HI.check_blocks(group_id, block_ids)):
-                return
-            self.journal.lifecycle_event(LifecycleOp.FREE, group_id, seq_id, block_ids)
-            if self._sampler_release is not None:
-                self._sampler_release(group_id, seq_id, block_ids)
-            self._nudge()
-        except Exception as exc:
-            self._hook_failed("on_release", exc)
+    # on_store, on_free, on_allocate, on_release: sidecar.core.journal_hooks (JournaledHooks)
 
     def on_tier(self, group_id: int, block_id: int, state: TierState,
                 seconds: float | None = None) -> None:

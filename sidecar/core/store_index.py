@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
-from sidecar.checks.keys import StoreRecord, token_digest
+from sidecar.checks.keys import ROOT_DIGEST, StoreRecord, tokens_hash
 from sidecar.core.protocol import BlockRef, StoredBlock
 
 _new_record = tuple.__new__
@@ -49,48 +49,64 @@ class StoreIndex:
         the prefix digest the engine gave). ``own_hash``: the block's
         :func:`~sidecar.checks.keys.tokens_hash`, when taken earlier (the journal takes it on
         the engine's thread)."""
+        with self._lock:
+            self.record_locked(block, own_hash)
+
+    def locked(self) -> threading.Lock:
+        """The index's lock, for a caller applying many events in one hold (the journal):
+        inside it, call :meth:`record_locked` and :meth:`forget_locked`."""
+        return self._lock
+
+    def record_locked(self, block: StoredBlock, own_hash: int | None = None) -> None:
+        """:meth:`record`, the lock already held."""
         gid = block.group_id
         key = (gid, block.block_id)
         prefix = block.prefix_tokens
-        with self._lock:
-            records = self._records
-            if prefix == 0:
-                parent_digest, chained = None, True
-            elif block.prefix_digest is not None:
-                parent_digest, chained = block.prefix_digest, True
-            else:
-                pid = block.parent_block_id
-                parent = records.get((gid, pid)) if pid is not None else None
-                # A digest is only comparable when the whole chain up to it was seen.
-                chained = (parent is not None and parent.chained
-                           and parent.prefix_tokens + len(block.tokens) == prefix)
-                parent_digest = parent.digest if parent is not None else None
-            epochs = self._epochs
-            epoch = epochs.get(key, 0) + 1
-            epochs[key] = epoch
-            records.pop(key, None)  # re-inserted last: LRU order
-            kf = block.key_fields
-            # tuple.__new__ builds the NamedTuple without its Python-level __new__ (4x
-            # cheaper on the store hook); fields in StoreRecord's order.
-            records[key] = _new_record(StoreRecord, (
-                block.generation, token_digest(parent_digest, block.tokens, own_hash), chained,
-                prefix,
-                dict(kf) if kf else _NO_FIELDS, block.kv_digest, epoch))
-            if len(records) > self.capacity:
-                del records[next(iter(records))]
-            if len(epochs) > self.max_epochs:
-                self._reset_epochs()
+        records = self._records
+        if prefix == 0:
+            parent_digest, chained = None, True
+        elif block.prefix_digest is not None:
+            parent_digest, chained = block.prefix_digest, True
+        else:
+            pid = block.parent_block_id
+            parent = records.get((gid, pid)) if pid is not None else None
+            # A digest is only comparable when the whole chain up to it was seen.
+            chained = (parent is not None and parent.chained
+                       and parent.prefix_tokens + len(block.tokens) == prefix)
+            parent_digest = parent.digest if parent is not None else None
+        epochs = self._epochs
+        epoch = epochs.get(key, 0) + 1
+        epochs[key] = epoch
+        records.pop(key, None)  # re-inserted last: LRU order
+        kf = block.key_fields
+        if own_hash is None:
+            own_hash = tokens_hash(block.tokens)
+        # tuple.__new__ builds the NamedTuple without its Python-level __new__ (4x
+        # cheaper on the store hook); fields in StoreRecord's order. The chained digest
+        # is token_digest's, inline.
+        records[key] = _new_record(StoreRecord, (
+            block.generation,
+            hash((ROOT_DIGEST if parent_digest is None else parent_digest, own_hash)),
+            chained, prefix, dict(kf) if kf else _NO_FIELDS, block.kv_digest, epoch))
+        if len(records) > self.capacity:
+            del records[next(iter(records))]
+        if len(epochs) > self.max_epochs:
+            self._reset_epochs()
 
     def forget(self, group_id: int, block_ids: Iterable[int]) -> None:
         """Blocks that left the engine's index: their records no longer describe them."""
         with self._lock:
-            records, epochs = self._records, self._epochs
-            for b in block_ids:
-                key = (group_id, int(b))
-                records.pop(key, None)
-                epochs[key] = epochs.get(key, 0) + 1
-            if len(epochs) > self.max_epochs:
-                self._reset_epochs()
+            self.forget_locked(group_id, block_ids)
+
+    def forget_locked(self, group_id: int, block_ids: Iterable[int]) -> None:
+        """:meth:`forget`, the lock already held."""
+        records, epochs = self._records, self._epochs
+        for b in block_ids:
+            key = (group_id, int(b))
+            records.pop(key, None)
+            epochs[key] = epochs.get(key, 0) + 1
+        if len(epochs) > self.max_epochs:
+            self._reset_epochs()
 
     def _reset_epochs(self) -> None:
         self._epochs.clear()

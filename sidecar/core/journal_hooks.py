@@ -1,0 +1,136 @@
+"""The journaled hooks (``on_store``, ``on_free``, ``on_allocate``, ``on_release``): one
+O(1) door check and one tuple appended to the cache-event journal, inline.
+
+Kept out of :mod:`sidecar.core.monitor` (one job per module) as a mixin the Monitor inherits:
+the hooks must read the Monitor's attributes directly, since a delegating call would be a
+third of an O(1) hook (issue 22 counts every instruction the engine's process pays). The
+tuples are :class:`~sidecar.core.journal.CacheEventJournal`'s own forms (its ``store``/``free``/
+``lifecycle_event`` methods are the reference); the journal runs the full input checks of
+:mod:`sidecar.core.hook_input` when it applies them, off the engine's thread.
+
+Bad input never raises out of a hook: anything that fails the door check goes to the full
+check, whose reason is counted (``hook_input_rejected_total{hook, reason}``) and the event
+dropped; a token list that cannot be hashed is journaled without its digest and rejected
+when applied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sidecar.allocator import LifecycleOp
+from sidecar.core import hook_input as HI
+from sidecar.core.journal import FREE_EVENT, LIFECYCLE_EVENT, STORE_EVENT, CacheEventJournal
+from sidecar.core.protocol import SequenceId, StoredBlock
+
+_TOKEN_SEQS = (list, tuple, range)  # sequences the O(1) door lets through unexamined
+_OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE, LifecycleOp.FREE
+_MAX_TOKENS, _MAX_GROUP, _MAX_BLOCK_TOKENS = HI.MAX_TOKENS, HI.MAX_GROUP, HI.MAX_BLOCK_TOKENS
+_now = time.time
+
+
+class JournaledHooks:
+    """The Monitor's store/free/allocate/release hooks (see the module docstring)."""
+
+    journal: CacheEventJournal
+    _journal_events: deque[tuple[Any, ...]]
+    _sampler_store: Callable[[StoredBlock], Any] | None
+    _sampler_free: Callable[[int, Sequence[int]], Any] | None
+    _sampler_release: Callable[[int, SequenceId, Sequence[int]], Any] | None
+    _nudge: Callable[[], Any]
+
+    def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
+        raise NotImplementedError  # the Monitor's
+
+    def _hook_failed(self, hook: str, exc: Exception) -> None:
+        raise NotImplementedError  # the Monitor's
+
+    def on_store(self, block: StoredBlock) -> None:
+        try:
+            # Checked in O(1) here and fully where the journal applies it (sidecar.core.journal).
+            if (type(block) is not StoredBlock or type(block.tokens) not in _TOKEN_SEQS
+                    or len(block.tokens) > _MAX_BLOCK_TOKENS) \
+                    and self._reject("on_store", HI.check_store(block)):
+                return
+            try:  # the block's own token hash (checks.keys.tokens_hash), inline
+                digest: int | None = hash(tuple(block.tokens))
+            except Exception:  # unhashable or unreadable tokens: rejected when applied
+                digest = None
+            events = self._journal_events  # journal.store, inline
+            if len(events) >= self.journal.wake_at:
+                self.journal.nudge()
+            events.append((STORE_EVENT, block, digest, _now()))
+            if self._sampler_store is not None:
+                self._sampler_store(block)
+        except Exception as exc:
+            self._hook_failed("on_store", exc)
+
+    def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
+        try:
+            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
+                    or len(block_ids) > _MAX_TOKENS) \
+                    and self._reject("on_free", HI.check_blocks(group_id, block_ids)):
+                return
+            try:
+                ids = tuple(block_ids)
+            except Exception:  # a sequence that cannot be read: refused, not raised
+                self._reject("on_free", HI.InputReject.TYPE)
+                return
+            events = self._journal_events  # journal.free, inline
+            if len(events) >= self.journal.wake_at:
+                self.journal.nudge()
+            events.append((FREE_EVENT, group_id, ids, _now()))
+            if self._sampler_free is not None:
+                self._sampler_free(group_id, block_ids)
+        except Exception as exc:
+            self._hook_failed("on_free", exc)
+
+    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
+                    generations: Sequence[int]) -> None:
+        """Optional lifecycle event (:class:`sidecar.core.protocol.BlockLifecycleSink`)."""
+        try:
+            # O(1) inline check; the full one (sidecar.core.hook_input) only for strangers.
+            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
+                    or type(generations) not in _TOKEN_SEQS or len(block_ids) > _MAX_TOKENS
+                    or len(generations) > _MAX_TOKENS or not 0 <= group_id <= _MAX_GROUP) \
+                    and self._reject("on_allocate", HI.check_blocks(group_id, block_ids)
+                                     or HI.check_blocks(group_id, generations)):
+                return
+            try:
+                ids, gens = tuple(block_ids), tuple(generations)
+            except Exception:  # a sequence that cannot be read: refused, not raised
+                self._reject("on_allocate", HI.InputReject.TYPE)
+                return
+            events = self._journal_events  # journal.lifecycle_event, inline
+            if len(events) >= self.journal.wake_at:
+                self.journal.nudge()
+            events.append((LIFECYCLE_EVENT, _OP_ALLOCATE, group_id, seq_id, ids, gens, None,
+                           _now()))
+        except Exception as exc:
+            self._hook_failed("on_allocate", exc)
+
+    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
+        """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
+        check, since a release is where premature and double frees happen."""
+        try:
+            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
+                    or len(block_ids) > _MAX_TOKENS or not 0 <= group_id <= _MAX_GROUP) \
+                    and self._reject("on_release", HI.check_blocks(group_id, block_ids)):
+                return
+            try:
+                ids = tuple(block_ids)
+            except Exception:  # a sequence that cannot be read: refused, not raised
+                self._reject("on_release", HI.InputReject.TYPE)
+                return
+            events = self._journal_events  # journal.lifecycle_event, inline
+            if len(events) >= self.journal.wake_at:
+                self.journal.nudge()
+            events.append((LIFECYCLE_EVENT, _OP_FREE, group_id, seq_id, ids, (), None, _now()))
+            if self._sampler_release is not None:
+                self._sampler_release(group_id, seq_id, block_ids)
+            self._nudge()
+        except Exception as exc:
+            self._hook_failed("on_release", exc)

@@ -1,0 +1,86 @@
+"""The cache-event journal applies events in one batched pass (issue 22: its per-event CPU
+is the engine process's cost); the batch must leave exactly the state that one
+``record``/``forget`` per event leaves: same index, same lifecycle window, same 1-in-N log
+and burst, same rejections."""
+
+from __future__ import annotations
+
+import random
+
+from sidecar.allocator import LifecycleLog, LifecycleOp
+from sidecar.core.journal import CacheEventJournal
+from sidecar.core.protocol import StoredBlock
+from sidecar.core.store_index import StoreIndex
+
+
+def _block(i: int, gen: int = 1) -> StoredBlock:
+    return StoredBlock(group_id=0, block_id=i % 40, generation=gen,
+                       tokens=list(range(i, i + 4)), prefix_tokens=4 * (i % 3),
+                       parent_block_id=(i - 1) % 40 if i % 3 else None,
+                       key_fields={"adapter": ""}, seq_id=i)
+
+
+def _events(log: LifecycleLog) -> list[tuple[object, ...]]:
+    return [(e["op"], e["group"], e["seq"], tuple(e["blocks"]), tuple(e["generations"]),
+             e["length"]) for e in log.recent(10_000)]
+
+
+def test_batched_extend_keeps_the_sampled_log_and_the_burst_of_one_record_each() -> None:
+    rng = random.Random(3)
+    for every_rate, burst in ((0.1, 0), (0.25, 7), (1.0, 3), (0.0, 5), (0.3, 0)):
+        one, many = (LifecycleLog(sample_rate=every_rate, window=64, kept=10_000,
+                                  burst=burst) for _ in range(2))
+        n = 0
+        for _ in range(30):
+            if rng.random() < 0.2:
+                one.trigger()
+                many.trigger()
+            batch = []
+            for _ in range(rng.randrange(0, 25)):
+                n += 1
+                ev = (LifecycleOp.ALLOCATE, 0, n, (n % 50,), (1,), None)
+                one.record(*ev, at=float(n))
+                batch.append((many.events + len(batch) + 1, float(n), *ev))
+            many.extend(batch)
+        assert many.events == one.events == n
+        assert _events(many) == _events(one), (every_rate, burst)
+        assert many.path(0, range(50), limit=10_000) == one.path(0, range(50), limit=10_000)
+
+
+def test_journal_drain_matches_one_record_per_event() -> None:
+    direct_index, direct_log = StoreIndex(1000), LifecycleLog(1.0, window=4096, kept=4096)
+    index, log = StoreIndex(1000), LifecycleLog(1.0, window=4096, kept=4096)
+    journal = CacheEventJournal(index, log)
+    for i in range(300):
+        b = _block(i, gen=i // 40 + 1)
+        journal.store(b)
+        direct_index.record(b)
+        direct_log.record(LifecycleOp.STORE, 0, i, (b.block_id,), (b.generation,),
+                          b.prefix_tokens + 4)
+        if i % 5 == 4:
+            journal.free(0, [i % 40, (i + 7) % 40])
+            direct_index.forget(0, [i % 40, (i + 7) % 40])
+            direct_log.record(LifecycleOp.EVICT, 0, None, (i % 40, (i + 7) % 40))
+        if i % 9 == 0:
+            journal.lifecycle_event(LifecycleOp.ALLOCATE, 0, i, [i % 40], [2])
+            direct_log.record(LifecycleOp.ALLOCATE, 0, i, (i % 40,), (2,))
+    assert journal.drain() == 300 + 60 + 34
+    assert index._records == direct_index._records
+    assert index._epochs == direct_index._epochs
+    assert _events(log) == _events(direct_log)
+
+
+def test_journal_drain_rejects_out_of_range_stores_and_applies_the_rest() -> None:
+    rejected: list[tuple[str, object]] = []
+    index = StoreIndex(100)
+    journal = CacheEventJournal(index, LifecycleLog(0.0),
+                                reject=lambda hook, why: rejected.append((hook, why)) or
+                                why is not None)
+    for block_id, generation in ((-1, 1), (3, True), (4, 1)):
+        journal.store(StoredBlock(group_id=0, block_id=block_id, generation=generation,
+                                  tokens=[1, 2], prefix_tokens=0))
+    journal.free(1 << 20, [4])
+    assert journal.drain() == 4
+    assert [(h, w is not None) for h, w in rejected] == [("on_store", True)] * 2 + [
+        ("on_free", True)]
+    assert index.epoch(0, 4) == 1 and index.epoch(0, 3) == 0 and len(index) == 1
