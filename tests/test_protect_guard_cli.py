@@ -20,10 +20,12 @@ def test_cli_says_at_start_when_the_server_ignores_cache_salt() -> None:
             contextlib.redirect_stdout(out):
         rc = main(["guard", "--upstream", f"http://127.0.0.1:{fake.port}", "--listen",
                    "127.0.0.1:0", "--metrics-port", "0", "--dtype", "float32",
-                   "--block-size", str(BLOCK), "--calibration", "2", "--duration", "0.01"])
+                   "--block-size", str(BLOCK), "--calibration", "2", "--duration", "0.01",
+                   "--probe-errors", "6"])
     assert rc == 0, err.getvalue()
     assert "ignores cache_salt" in err.getvalue() and "only alert" in err.getvalue()
-    assert json.loads(out.getvalue())["bypass_supported"] is False
+    status = json.loads(out.getvalue())
+    assert status["bypass_supported"] is False and status["probe_errors_to_open"] == 6
 
 
 @pytest.mark.parametrize("flags", [["--hold", "nan"], ["--hold", "inf"], ["--probes", "0"],
@@ -78,3 +80,31 @@ def test_cli_names_the_guard_when_the_upstream_is_remote(
     assert main(["guard", "--upstream", "http://192.0.2.1:8000"]) == 2
     err = capsys.readouterr().err
     assert "the guard forwards" in err and "canary" not in err and "--allow-remote" in err
+
+
+def test_probe_errors_is_a_guard_key_of_file_env_and_flag_bounded_by_the_limits_table(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from sidecar.config import LIMITS
+    from sidecar.config_cli import run_config
+
+    limit = LIMITS["guard.probe_errors"]
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text("[guard]\nprobe_errors = 7\n")
+    bad.write_text(f"[guard]\nprobe_errors = {int(limit.high or 0) + 1}\n")
+    assert main(["config", "check", str(good)]) == 0
+    assert main(["config", "check", str(bad)]) == 2
+    assert "guard.probe_errors" in capsys.readouterr().err
+
+    def shown(*argv: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        from sidecar.cli import build_parser
+
+        args = build_parser().parse_args(["config", "show", "--json", *argv])
+        assert run_config(args, env or {}) == 0
+        return dict(json.loads(capsys.readouterr().out)["guard.probe_errors"])
+
+    assert shown("--config", str(good)) == {"value": 7, "source": "file",
+                                            "origin": str(good)}
+    assert shown(env={"KVSIDECAR_GUARD_PROBE_ERRORS": "9"})["value"] == 9
+    assert shown("--set", "guard.probe_errors=4")["value"] == 4
+    with pytest.raises(SystemExit):  # the flag: the same bounds
+        main(["guard", "--upstream", "http://127.0.0.1:1", "--probe-errors", "0"])

@@ -258,6 +258,7 @@ class BypassGuard:
         m = self.metrics
         return {"state": self.breaker.current().value, "clean_probes": self.breaker.clean_probes,
                 "probes_to_close": self.cfg.breaker.probes,
+                "probe_errors_to_open": self.cfg.breaker.probe_errors,
                 "bypass_supported": self.bypass_supported,
                 "requests": {r.value: int(m.value(S.GUARD_REQUESTS.name, route=r.value))
                              for r in Route},
