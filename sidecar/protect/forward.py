@@ -21,9 +21,14 @@ Why each bound exists (a proxy in the request path must never be the thing that 
 * **Streaming pass-through**: the upstream's answer (an SSE stream included) is written to
   the client as it arrives, never buffered whole.
 
-One request per connection (``Connection: close``): the simplest behaviour that cannot leak
-a connection, and on loopback the extra connect costs microseconds against an engine's
-milliseconds (measured by ``kv-sidecar bench perf --guard``).
+* **Cheap when it only forwards**: a fixed pool of forwarding threads (none spawned per
+  request), kept-alive upstream connections (at most one idle per worker, each for at most
+  ``upstream_idle_s``), the body forwarded as the bytes received (a proxy's app rewrites it
+  only when it must), the answer relayed in large reads as it arrives. Measured by
+  ``kv-sidecar bench perf --guard``.
+
+One request per client connection (``Connection: close`` in every answer): the simplest
+behaviour that cannot leak a connection or let one client's bytes reach another's answer.
 
 The reception is :mod:`sidecar.protect.reception`, the upstream relay
 :mod:`sidecar.protect.relay`; this module ties them to the forwarding workers. What a proxy
@@ -41,6 +46,7 @@ from collections.abc import Callable
 
 from sidecar.protect.reception import Reception, _Heap, _Incoming
 from sidecar.protect.relay import Relay
+from sidecar.protect.upstream_pool import UpstreamPool
 from sidecar.protect.wire import (
     HOP_BY_HOP,
     BadRequest,
@@ -99,6 +105,7 @@ class ForwardServer(Reception, Relay):
         self._ready: queue.Queue[_Incoming | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pool = UpstreamPool(upstream, self.limits)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -127,6 +134,7 @@ class ForwardServer(Reception, Relay):
         for t in self._threads:
             t.join(timeout=10)
         self._sock.close()
+        self._pool.close()
 
     def held(self) -> int:
         """Connections held now (reading or being forwarded)."""

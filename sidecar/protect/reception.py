@@ -120,6 +120,9 @@ class Reception:
                           time.monotonic() + self.limits.request_deadline_s)
             pending[sock.fileno()] = c
             sel.register(sock, selectors.EVENT_READ, c)
+            # A client writes its request right after connecting: on loopback it is often
+            # there already, and reading it now saves a trip round the selector.
+            self._read(sel, pending, c)
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
               c: _Incoming) -> None:

@@ -33,6 +33,7 @@ class ForwardLimits:
     upstream_timeout_s: float = 120.0
     response_deadline_s: float = 600.0
     write_timeout_s: float = 30.0
+    upstream_idle_s: float = 2.0  # a kept-alive upstream connection idle longer is closed
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
