@@ -110,6 +110,11 @@ class BadRequest(Exception):
 def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
     """Method, target, headers and body length of a request head; :class:`BadRequest` for
     anything a forwarding proxy cannot pass on safely."""
+    flat = head.replace(b"\r\n", b"")
+    if b"\n" in flat or b"\r" in flat or b"\x00" in flat:
+        # A bare LF or CR inside a line: a server that ends lines on LF alone would read a
+        # header the proxy never saw (Transfer-Encoding smuggled inside a value).
+        raise BadRequest(400, "bare CR or LF, or NUL, in the request head")
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
