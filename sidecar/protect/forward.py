@@ -102,7 +102,7 @@ class ForwardServer(Reception, Relay):
         self._sock = socket.create_server(listen, backlog=min(self.limits.max_connections,
                                                               1024))
         self._sock.setblocking(False)
-        self._ready: queue.Queue[_Incoming | None] = queue.Queue()
+        self._ready: queue.SimpleQueue[_Incoming | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pool = UpstreamPool(upstream, self.limits)
@@ -156,8 +156,7 @@ class ForwardServer(Reception, Relay):
             if c is None:
                 return
             try:
-                c.sock.setblocking(True)
-                c.sock.settimeout(self.limits.write_timeout_s)
+                c.sock.settimeout(self.limits.write_timeout_s)  # blocking, bounded
                 self._serve(c)
             except Exception:  # one request must never take a worker down
                 log.exception("%s: forwarding failed", self.name)

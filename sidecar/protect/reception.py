@@ -27,7 +27,7 @@ class _Incoming:
     """A connection whose request is still arriving (reception thread only)."""
 
     __slots__ = ("buf", "deadline", "head_end", "length", "peer", "request", "reserved",
-                 "sock")
+                 "sock", "watched")
 
     def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
         self.sock, self.peer, self.deadline = sock, peer, deadline
@@ -36,6 +36,7 @@ class _Incoming:
         self.length = 0
         self.reserved = 0
         self.request: Request | None = None
+        self.watched = False  # registered with the selector
 
 
 class _Heap:
@@ -65,7 +66,7 @@ class Reception:
     _held: int
     _heap: _Heap
     _sock: socket.socket
-    _ready: queue.Queue[_Incoming | None]
+    _ready: queue.SimpleQueue[_Incoming | None]
     _stop: threading.Event
 
     def _count(self, key: str, status: int | None = None) -> None:
@@ -118,11 +119,15 @@ class Reception:
                 continue
             c = _Incoming(sock, f"{addr[0]}:{addr[1]}",
                           time.monotonic() + self.limits.request_deadline_s)
-            pending[sock.fileno()] = c
-            sel.register(sock, selectors.EVENT_READ, c)
+            fd = sock.fileno()
+            pending[fd] = c
             # A client writes its request right after connecting: on loopback it is often
-            # there already, and reading it now saves a trip round the selector.
+            # there already, and reading it now saves a trip round the selector (and the
+            # selector's register and unregister, when it is complete).
             self._read(sel, pending, c)
+            if fd in pending:
+                sel.register(sock, selectors.EVENT_READ, c)
+                c.watched = True
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
               c: _Incoming) -> None:
@@ -152,7 +157,8 @@ class Reception:
             self._refuse(sel, pending, c, exc.status, str(exc))
             return
         if c.request is not None and c.head_end == c.length:
-            sel.unregister(c.sock)
+            if c.watched:  # not when read whole at accept
+                sel.unregister(c.sock)
             del pending[c.sock.fileno()]
             c.request.body = c.buf  # type: ignore[assignment]  # bytes-like, not copied
             c.buf = bytearray()
@@ -199,8 +205,10 @@ class Reception:
 
     def _drop(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
               c: _Incoming) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(c.sock)
+        if c.watched:
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(c.sock)
+            c.watched = False
         pending.pop(c.sock.fileno(), None)
         self._release(c)
 

@@ -129,10 +129,13 @@ class Relay:
         return answer.status, clean and answer.reusable
 
     def _recv(self, upstream: socket.socket, deadline: float, size: int) -> bytes:
+        """One read within both the idle timeout (set on the socket before the request)
+        and the answer's deadline (set instead when it is the nearer one)."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        upstream.settimeout(min(self.limits.upstream_timeout_s, left))
+        if left < self.limits.upstream_timeout_s:
+            upstream.settimeout(left)
         return upstream.recv(size)
 
     def _answer_head(self, upstream: socket.socket, req: Request, deadline: float,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import select
 import socket
 import threading
 import time
@@ -87,12 +88,9 @@ class UpstreamPool:
 
     @staticmethod
     def _alive(sock: socket.socket) -> bool:
-        """Nothing to read and not closed: an idle HTTP connection the server still holds."""
-        try:
-            sock.setblocking(False)  # with a timeout set, recv would wait for bytes first
-            sock.recv(1, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            return False
-        return False  # EOF (b"") or bytes nobody asked for: not reusable
+        """Nothing to read: an idle HTTP connection the server still holds. Readable means
+        closed (EOF), reset, or bytes nobody asked for: not reusable either way. One poll
+        (no fd-number limit, unlike select)."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
