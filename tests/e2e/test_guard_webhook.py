@@ -68,7 +68,7 @@ class Replica:
     monitor: Monitor
     engine: ReferenceEngine
     server: SidecarServer
-    first_anomaly: float | None = None  # wall clock
+    first_anomaly: float | None = None  # wall clock of the first anomalous verdict
     guard: BypassGuard | None = None
     opened: float | None = None
 
@@ -167,13 +167,10 @@ def _for_s(alertname: str) -> float:
 
 
 def _watch(replicas: list[Replica], stop: threading.Event) -> None:
-    """Note when each sidecar first counted an anomaly and when each guard opened (neither
-    keeps a clock of its own), every 50 ms."""
+    """Note when each guard opened (the breaker keeps no clock of its own), every 50 ms."""
     while not stop.wait(0.05):
         for r in replicas:
             assert r.guard is not None
-            if r.first_anomaly is None and r.anomalies() > 0:
-                r.first_anomaly = time.time()
             if r.opened is None and r.guard.breaker.current() is State.OPEN:
                 r.opened = time.time()
 
@@ -191,6 +188,10 @@ def test_pages_through_prometheus_and_alertmanager_open_the_guards_they_concern(
             r.drive(8 if r.fault == "none" else 24)  # clean replicas: clean verdicts
         for r in rs.values():
             assert (r.anomalies() > 0) is (r.fault != "none"), r.instance
+            # the first anomalous verdict's time, from the sidecar's evidence record
+            verdicts = [e["time"] for e in r.monitor.evidence.recent(10_000) if e.get("checks")]
+            r.first_anomaly = min(verdicts) if verdicts else None
+            assert (r.first_anomaly is not None) is (r.fault != "none"), r.instance
         solo, fleet = rs["solo-faulty"], [rs["fleet-faulty-0"], rs["fleet-faulty-1"]]
         instance_for, fleet_for = _for_s(S.ALERT_CONTENT_ANOMALY), \
             _for_s(S.ALERT_ANOMALY_FLEET_WIDE)
