@@ -237,6 +237,7 @@ def test_a_kept_alive_connection_serves_the_next_request(
         for _ in range(5):
             assert _raw(proxy, POST).endswith(b"\r\n\r\n2\r\nok\r\n0\r\n\r\n")
         assert up.connections == 1 and len(up.requests) == 5
+        assert proxy.upstream_stats() == {"connects": 1, "reused": 4, "stale": 0}
     finally:
         proxy.stop()
 

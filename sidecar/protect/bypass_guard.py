@@ -265,6 +265,7 @@ class BypassGuard:
                 "transitions": [[a.value, b.value, s.value]
                                 for a, b, s in self.breaker.transitions[-16:]],
                 "proxy": dict(self.server.stats),
+                "upstream_connections": self.server.upstream_stats(),
                 "refused": {str(k): v for k, v in self.server.rejected.items()},
                 "verifier": dict(self.verifier.stats) if self.verifier else None}
 

@@ -136,6 +136,10 @@ class ForwardServer(Reception, Relay):
         self._sock.close()
         self._pool.close()
 
+    def upstream_stats(self) -> dict[str, int]:
+        """Connections to the upstream: made, reused (kept alive), dropped stale."""
+        return dict(self._pool.stats)
+
     def held(self) -> int:
         """Connections held now (reading or being forwarded)."""
         with self._lock:
