@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 TARGET_THROUGHPUT = 0.98
@@ -74,8 +75,11 @@ threading.Event().wait()
 @contextmanager
 def _process(code: str, *args: str) -> Iterator[tuple[int, int]]:
     """Run ``code`` in a fresh interpreter; yields the port it prints first and its pid."""
+    # `python -c` puts the working directory first on sys.path: run from the root of the
+    # checkout this module came from, so the child imports the same sidecar as the parent.
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, cwd=root)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
