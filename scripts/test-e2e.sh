@@ -52,5 +52,6 @@ run_pytest() {
 # promtool check/test rules and amtool routing (skipped in the unit stage without binaries).
 run_pytest -q tests/test_alerts.py tests/test_dashboards.py
 # tests/e2e: test_stack.py (2 demos, ~90 s), test_fleet.py (4 replicas, one faulty, ~100 s),
-# test_fleet_example.py (the fleet script up and down, ~20 s).
+# test_fleet_example.py (the fleet script up and down, ~20 s), test_guard_webhook.py (pages
+# through Prometheus and Alertmanager open the cache-bypass guards they concern, ~90 s).
 run_pytest -m e2e -rA tests/e2e

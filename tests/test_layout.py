@@ -50,8 +50,6 @@ TOO_LONG = {
     "sidecar/core/protocol.py",
     "sidecar/core/monitor.py",
     "sidecar/signals.py",
-    "sidecar/protect/forward.py",
-    "tests/test_protect_guard.py",
 }
 
 

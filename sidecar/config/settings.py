@@ -234,5 +234,7 @@ LIMITS: dict[str, Limit] = {
     "burst_hits": Limit(low=0, high=10**9),
     "burst_every": Limit(low=1, high=10**9),
     "detection_fault_fraction": Limit(low=0, low_open=True, high=1),
+    # the guard's half-open probes that get no verdict before it opens again (breaker.py)
+    "guard.probe_errors": Limit(low=1, high=10_000),
 }
 FLAG_DEFAULT = Limit(low=-1e15, high=1e15)  # a numeric flag key the table does not name

@@ -258,12 +258,14 @@ class BypassGuard:
         m = self.metrics
         return {"state": self.breaker.current().value, "clean_probes": self.breaker.clean_probes,
                 "probes_to_close": self.cfg.breaker.probes,
+                "probe_errors_to_open": self.cfg.breaker.probe_errors,
                 "bypass_supported": self.bypass_supported,
                 "requests": {r.value: int(m.value(S.GUARD_REQUESTS.name, route=r.value))
                              for r in Route},
                 "transitions": [[a.value, b.value, s.value]
                                 for a, b, s in self.breaker.transitions[-16:]],
                 "proxy": dict(self.server.stats),
+                "upstream_connections": self.server.upstream_stats(),
                 "refused": {str(k): v for k, v in self.server.rejected.items()},
                 "verifier": dict(self.verifier.stats) if self.verifier else None}
 

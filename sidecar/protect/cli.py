@@ -38,6 +38,16 @@ def _number(kind: type, low: float, high: float) -> Callable[[str], Any]:
     return parse
 
 
+def _limited(kind: type, key: str) -> Callable[[str], Any]:
+    """:func:`_number` with the bounds of ``key`` in :data:`sidecar.config.LIMITS` (the one
+    table the config file, the environment and ``config check`` read too)."""
+    from sidecar.config.settings import LIMITS
+
+    limit = LIMITS[key]
+    assert limit.low is not None and limit.high is not None, key
+    return _number(kind, limit.low, limit.high)
+
+
 def _hostport(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -85,6 +95,9 @@ def add_parser(sub: Any) -> None:
                    help="clean probe verdicts in a row that close the breaker")
     g.add_argument("--probe-every", type=_number(int, 1, 10_000), default=4,
                    help="half-open: 1 request in N goes with the cache as a probe")
+    g.add_argument("--probe-errors", type=_limited(int, "guard.probe_errors"), default=3,
+                   help="half-open: this many probes without a verdict (an error answer, "
+                        "one that cannot be replayed) open the breaker again")
     g.add_argument("--sidecar-status", default=None, metavar="URL",
                    help="a kv-sidecar's /status to poll (its anomalies open the breaker)")
     g.add_argument("--poll-every", type=_number(float, 0.05, 3600), default=5.0,
@@ -172,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
                              buffer_budget_bytes=max(64 << 20, args.max_body_bytes),
                              upstream_timeout_s=args.upstream_timeout,
                              response_deadline_s=args.response_deadline),
-        breaker=BreakerSettings(args.hold, args.probes, args.probe_every))
+        breaker=BreakerSettings(args.hold, args.probes, args.probe_every, args.probe_errors))
     guard = BypassGuard(cfg, verifier if supported else None, supported,
                         exporter.metrics).start()
     http = SidecarServer(guard.metrics.registry, guard.status, host=args.metrics_host,

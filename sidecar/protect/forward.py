@@ -21,25 +21,27 @@ Why each bound exists (a proxy in the request path must never be the thing that 
 * **Streaming pass-through**: the upstream's answer (an SSE stream included) is written to
   the client as it arrives, never buffered whole.
 
-One request per connection (``Connection: close``): the simplest behaviour that cannot leak
-a connection, and on loopback the extra connect costs microseconds against an engine's
-milliseconds (measured by ``kv-sidecar bench perf --guard``).
+* **Cheap when it only forwards**: a fixed pool of forwarding threads (none spawned per
+  request), kept-alive upstream connections (at most one idle per worker, each for at most
+  ``upstream_idle_s``), the body forwarded as the bytes received (a proxy's app rewrites it
+  only when it must), the answer relayed in large reads as it arrives. Measured by
+  ``kv-sidecar bench perf --guard``.
 
-What a proxy adds goes in a :class:`ForwardApp`: answer some paths itself, rewrite the
+One request per client connection (``Connection: close`` in every answer): the simplest
+behaviour that cannot leak a connection or let one client's bytes reach another's answer.
+
+The reception is :mod:`sidecar.protect.reception`, the upstream relay
+:mod:`sidecar.protect.relay`; this module ties them to the forwarding workers. What a proxy
+adds goes in a :class:`ForwardApp`: answer some paths itself, rewrite the
 body it forwards, look at what was answered.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import queue
-import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 from sidecar.protect.http_messages import (
@@ -51,14 +53,14 @@ from sidecar.protect.http_messages import (
     error,
     header_list,
     parse_head,
-    status_of,
 )
+from sidecar.protect.reception import Reception, _Heap, _Incoming
+from sidecar.protect.relay import Relay
+from sidecar.protect.upstream_pool import UpstreamPool
 
 __all__ = ["HOP_BY_HOP", "BadRequest", "ForwardApp", "ForwardLimits", "ForwardServer", "Reply",
            "Request", "error", "header_list", "parse_head"]
 log = logging.getLogger(__name__)
-
-TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a heap trim
 
 
 class ForwardApp:
@@ -77,37 +79,7 @@ class ForwardApp:
         """Told after the upstream's answer went to the client in full."""
 
 
-class _Incoming:
-    """A connection whose request is still arriving (reception thread only)."""
-
-    __slots__ = ("buf", "deadline", "head_end", "length", "peer", "request", "reserved",
-                 "sock")
-
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        self.sock, self.peer, self.deadline = sock, peer, deadline
-        self.buf = bytearray()
-        self.head_end = -1
-        self.length = 0
-        self.reserved = 0
-        self.request: Request | None = None
-
-
-class _Heap:
-    """``malloc_trim(0)`` after large bodies, so their pages go back to the system (glibc
-    raises its mmap threshold after a large free and keeps later large blocks in arenas)."""
-
-    def __init__(self) -> None:
-        self._trim = None
-        name = ctypes.util.find_library("c")
-        with contextlib.suppress(OSError, AttributeError):
-            self._trim = ctypes.CDLL(name).malloc_trim if name else None
-
-    def trim(self) -> None:
-        if self._trim is not None:
-            self._trim(0)
-
-
-class ForwardServer:
+class ForwardServer(Reception, Relay):
     """A bounded forwarding proxy on ``listen`` to ``upstream`` (host, port)."""
 
     def __init__(self, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0),
@@ -130,9 +102,10 @@ class ForwardServer:
         self._sock = socket.create_server(listen, backlog=min(self.limits.max_connections,
                                                               1024))
         self._sock.setblocking(False)
-        self._ready: queue.Queue[_Incoming | None] = queue.Queue()
+        self._ready: queue.SimpleQueue[_Incoming | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pool = UpstreamPool(upstream, self.limits)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -161,6 +134,11 @@ class ForwardServer:
         for t in self._threads:
             t.join(timeout=10)
         self._sock.close()
+        self._pool.close()
+
+    def upstream_stats(self) -> dict[str, int]:
+        """Connections to the upstream: made, reused (kept alive), dropped stale."""
+        return dict(self._pool.stats)
 
     def held(self) -> int:
         """Connections held now (reading or being forwarded)."""
@@ -175,151 +153,6 @@ class ForwardServer:
         if status is not None and self.on_refused is not None:
             self.on_refused(status)
 
-    # ------------------------------------------------------------- reception (one thread)
-    def _reception(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._sock, selectors.EVENT_READ, None)
-        pending: dict[int, _Incoming] = {}
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                soonest = min((c.deadline for c in pending.values()), default=now + 0.5)
-                for key, _ in sel.select(max(0.0, min(soonest - now, 0.5))):
-                    if key.data is None:
-                        self._accept(sel, pending)
-                    else:
-                        self._read(sel, pending, key.data)
-                now = time.monotonic()
-                for c in [c for c in pending.values() if c.deadline <= now]:
-                    self._refuse(sel, pending, c, 408, "the request did not arrive within "
-                                 f"{self.limits.request_deadline_s:g}s")
-        finally:
-            for c in list(pending.values()):
-                self._drop(sel, pending, c)
-            sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming]) -> None:
-        for _ in range(64):  # a burst of connects is accepted in one go
-            try:
-                sock, addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: log, keep serving
-                log.warning("%s: accept failed: %s", self.name, exc)
-                return
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):  # the head and the body go as they are written
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = self._held >= self.limits.max_connections
-                if not full:
-                    self._held += 1
-                    self.stats["accepted"] += 1
-            if full:
-                self._count("rejected_busy", 503)
-                with contextlib.suppress(OSError):
-                    sock.send(error(503, "proxy busy: too many connections").encode())
-                sock.close()
-                continue
-            c = _Incoming(sock, f"{addr[0]}:{addr[1]}",
-                          time.monotonic() + self.limits.request_deadline_s)
-            pending[sock.fileno()] = c
-            sel.register(sock, selectors.EVENT_READ, c)
-
-    def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
-              c: _Incoming) -> None:
-        """Read what arrived. The head accumulates in ``buf``; once it is parsed, ``buf``
-        becomes the body, allocated once at its declared size and filled in place (no
-        growing buffer, no copies of a large body)."""
-        try:
-            if c.request is None:
-                data = c.sock.recv(65536)
-                n = len(data)
-            else:
-                n = c.sock.recv_into(memoryview(c.buf)[c.head_end:])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            n = 0
-        if not n:
-            self._drop(sel, pending, c)
-            return
-        try:
-            if c.request is None:
-                c.buf += data
-                self._head(c)
-            else:
-                c.head_end += n
-        except BadRequest as exc:
-            self._refuse(sel, pending, c, exc.status, str(exc))
-            return
-        if c.request is not None and c.head_end == c.length:
-            sel.unregister(c.sock)
-            del pending[c.sock.fileno()]
-            c.request.body = c.buf  # type: ignore[assignment]  # bytes-like, not copied
-            c.buf = bytearray()
-            self._ready.put(c)
-
-    def _head(self, c: _Incoming) -> None:
-        """Parse the request head once it is complete; raises :class:`BadRequest`."""
-        lim = self.limits
-        end = c.buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(c.buf) > lim.max_header_bytes:
-                raise BadRequest(431, "request head too large")
-            return
-        if end > lim.max_header_bytes:
-            raise BadRequest(431, "request head too large")
-        method, target, headers, length = parse_head(bytes(c.buf[:end]))
-        if length > lim.max_body_bytes:
-            raise BadRequest(413, f"body of {length} bytes is over the proxy's "
-                                  f"limit of {lim.max_body_bytes}")
-        tail = c.buf[end + 4:]
-        if len(tail) > length:
-            raise BadRequest(400, "more bytes than Content-Length (pipelining is not "
-                                  "supported)")
-        with self._lock:
-            if length > self._budget:
-                raise BadRequest(503, "proxy busy: request buffers full")
-            self._budget -= length
-        c.reserved = length
-        c.buf = bytearray(length)
-        c.buf[:len(tail)] = tail
-        c.head_end, c.length = len(tail), length  # head_end: body bytes received so far
-        c.request = Request(method, target, headers, b"", c.peer)
-        expect = c.request.header("Expect")
-        if expect and expect.lower() == "100-continue" and not tail:
-            with contextlib.suppress(OSError):
-                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    def _refuse(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
-                c: _Incoming, status: int, message: str) -> None:
-        self._count("client_errors", status)
-        with contextlib.suppress(OSError):
-            c.sock.send(error(status, message).encode())
-        self._drop(sel, pending, c)
-
-    def _drop(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
-              c: _Incoming) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(c.sock)
-        pending.pop(c.sock.fileno(), None)
-        self._release(c)
-
-    def _release(self, c: _Incoming) -> None:
-        with contextlib.suppress(OSError):
-            c.sock.close()
-        large = c.reserved >= TRIM_AFTER_BYTES
-        c.buf = bytearray()
-        if c.request is not None:
-            c.request.body = b""
-        with self._lock:
-            self._budget += c.reserved
-            self._held -= 1
-        c.reserved = 0
-        if large:
-            self._heap.trim()
-
     # ------------------------------------------------------------- forwarding (workers)
     def _worker(self) -> None:
         while True:
@@ -327,8 +160,7 @@ class ForwardServer:
             if c is None:
                 return
             try:
-                c.sock.setblocking(True)
-                c.sock.settimeout(self.limits.write_timeout_s)
+                c.sock.settimeout(self.limits.write_timeout_s)  # blocking, bounded
                 self._serve(c)
             except Exception:  # one request must never take a worker down
                 log.exception("%s: forwarding failed", self.name)
@@ -356,84 +188,3 @@ class ForwardServer:
                 self.app.answered(req, body, status)
             except Exception:
                 log.exception("%s: answered() failed", self.name)
-
-    def _forward(self, client: socket.socket, req: Request, body: bytes) -> int | None:
-        """Send the request to the upstream with ``Connection: close`` and relay its answer
-        byte for byte until the upstream closes (its own framing, chunked SSE included,
-        goes through untouched: nothing is parsed but the status line). Returns the status,
-        or None when no complete answer reached the client."""
-        lim = self.limits
-        host, port = self.upstream
-        head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {host}:{port}"]
-        head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
-        if body or req.method in ("POST", "PUT", "PATCH"):
-            head.append(f"Content-Length: {len(body)}")
-        head.append("Connection: close")
-        message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
-        deadline = time.monotonic() + lim.response_deadline_s
-        try:
-            upstream = socket.create_connection((host, port), timeout=lim.connect_timeout_s)
-        except OSError as exc:
-            self._count("upstream_errors", 502)
-            self._send(client, error(502, f"upstream unreachable: {exc}").encode())
-            return None
-        status: int | None = None
-        try:
-            upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            upstream.settimeout(lim.upstream_timeout_s)
-            try:
-                upstream.sendall(message + bytes(body) if len(body) < 65536 else message)
-                if len(body) >= 65536:
-                    upstream.sendall(body)
-            except OSError as exc:
-                self._count("upstream_errors", 502)
-                self._send(client, error(502, f"upstream refused the request: {exc}").encode())
-                return None
-            first = b""
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                upstream.settimeout(min(lim.upstream_timeout_s, left))
-                chunk = upstream.recv(65536)
-                if not chunk:
-                    break
-                if status is None:
-                    first += chunk
-                    if b"\r\n" not in first and len(first) < 1024:
-                        continue
-                    status = status_of(first)
-                    if status is None:
-                        self._count("upstream_errors", 502)
-                        self._send(client, error(502, "upstream answered no HTTP").encode())
-                        return None
-                    chunk, first = first, b""
-                if not self._send(client, chunk):
-                    return None
-        except TimeoutError:
-            if status is None:
-                self._count("upstream_errors", 504)
-                self._send(client, error(504, "upstream timed out").encode())
-            else:
-                log.warning("%s: upstream answer stalled or past its deadline: cut", self.name)
-                self._count("upstream_errors")
-            return None
-        except OSError as exc:
-            log.info("%s: upstream answer broke off: %s", self.name, exc)
-            self._count("upstream_errors", None if status else 502)
-            if status is None:
-                self._send(client, error(502, f"upstream failed: {exc}").encode())
-            return None
-        finally:
-            upstream.close()
-        if status is None:
-            self._count("upstream_errors", 502)
-            self._send(client, error(502, "upstream closed without an answer").encode())
-        return status
-
-    def _send(self, sock: socket.socket, data: bytes) -> bool:
-        try:
-            sock.sendall(data)
-            return True
-        except OSError:  # the client went away or stopped reading past write_timeout_s
-            return False

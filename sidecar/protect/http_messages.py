@@ -17,6 +17,7 @@ _REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
             431: "Request Header Fields Too Large", 502: "Bad Gateway",
             503: "Service Unavailable", 504: "Gateway Timeout"}
 MAX_HEADERS = 100
+_UNUSUAL_PATH = ("%", "//", "/.", "://")  # what normal_path has work to do on
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ForwardLimits:
     upstream_timeout_s: float = 120.0
     response_deadline_s: float = 600.0
     write_timeout_s: float = 30.0
+    upstream_idle_s: float = 2.0  # a kept-alive upstream connection idle longer is closed
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -83,6 +85,9 @@ def normal_path(target: str) -> str:
     dropped, %-escapes decoded, ``//`` collapsed, ``.``/``..`` resolved, no trailing slash.
     A proxy that decides on the raw target can be walked round (``/v1//completions``,
     ``/v1/../v1/completions``, ``/v1/completions/``) by paths the server treats alike."""
+    path = target.partition("?")[0]
+    if not any(s in path for s in _UNUSUAL_PATH) and not path.endswith("/"):
+        return path  # the common case: nothing to normalise
     if "://" in target.split("?", 1)[0]:
         target = urllib.parse.urlsplit(target).path or "/"
     path = urllib.parse.unquote(target.split("?", 1)[0])
@@ -109,6 +114,11 @@ class BadRequest(Exception):
 def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
     """Method, target, headers and body length of a request head; :class:`BadRequest` for
     anything a forwarding proxy cannot pass on safely."""
+    flat = head.replace(b"\r\n", b"")
+    if b"\n" in flat or b"\r" in flat or b"\x00" in flat:
+        # A bare LF or CR inside a line: a server that ends lines on LF alone would read a
+        # header the proxy never saw (Transfer-Encoding smuggled inside a value).
+        raise BadRequest(400, "bare CR or LF, or NUL, in the request head")
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
@@ -119,14 +129,19 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
     if len(lines) - 1 > MAX_HEADERS:
         raise BadRequest(431, f"more than {MAX_HEADERS} header lines")
     headers: list[tuple[str, str]] = []
+    lengths: set[str] = set()
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+        if not sep or not name or " " in name or "\t" in name or name != name.strip():
             raise BadRequest(400, "malformed header line")
-        headers.append((name, value.strip()))
-    lengths = {v for k, v in headers if k.lower() == "content-length"}
-    if any(k.lower() == "transfer-encoding" for k, _ in headers):
-        raise BadRequest(411, "chunked request bodies are not forwarded: send Content-Length")
+        value = value.strip()
+        headers.append((name, value))
+        low = name.lower()
+        if low == "content-length":
+            lengths.add(value)
+        elif low == "transfer-encoding":
+            raise BadRequest(411, "chunked request bodies are not forwarded: send "
+                                  "Content-Length")
     if len(lengths) > 1:
         raise BadRequest(400, "conflicting Content-Length headers")
     text = lengths.pop() if lengths else "0"

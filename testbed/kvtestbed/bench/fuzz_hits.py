@@ -2,7 +2,7 @@
 counts are valid (so they pass the O(1) door and reach the sampled path) but whose insides
 are not, and objects whose own ``__len__``/``__iter__``/``__getitem__`` raise or lie.
 
-:func:`sidecar.bench.fuzz.hostile_hook_call` swaps whole fields for hostile values; those
+:func:`kvtestbed.bench.fuzz.hostile_hook_call` swaps whole fields for hostile values; those
 mostly stop at the door. These go one level deeper: the group maps, the id lists and the
 ids themselves, where the sampled path walks a hit on the engine's thread.
 """

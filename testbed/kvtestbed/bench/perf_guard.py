@@ -10,12 +10,17 @@ interpreter would measure the GIL, not the guard). The upstream is either a real
 (``--guard-upstream http://127.0.0.1:8000``, e.g. vLLM) or, by default, a stand-in in a
 third process that answers ``/v1/completions`` after a fixed service time (what an engine
 costs per request; without one, the figure would be the proxy's cost relative to nothing).
+
+On a shared machine the wall-clock figures move with the load of other processes; the CPU
+seconds the guard (and the stand-in) used per request, read from /proc, do much less: they
+are reported beside them (``cpu_ms_per_request``), and are what to compare across changes.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 TARGET_THROUGHPUT = 0.98
@@ -67,16 +73,19 @@ threading.Event().wait()
 
 
 @contextmanager
-def _process(code: str, *args: str) -> Iterator[int]:
-    """Run ``code`` in a fresh interpreter; yields the port it prints first."""
+def _process(code: str, *args: str) -> Iterator[tuple[int, int]]:
+    """Run ``code`` in a fresh interpreter; yields the port it prints first and its pid."""
+    # `python -c` puts the working directory first on sys.path: run from the root of the
+    # checkout this module came from, so the child imports the same sidecar as the parent.
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, cwd=root)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.strip().isdigit():
             raise RuntimeError(f"bench helper did not start (exit {proc.poll()})")
-        yield int(line)
+        yield int(line), proc.pid
     finally:
         proc.kill()
         proc.wait()
@@ -129,13 +138,27 @@ def _load(port: int, concurrency: int, per_client: int,
     return len(latencies) / wall, latencies
 
 
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, 0 when unknown: what the guard
+    costs per request whatever else the machine runs (its wall-clock figures are not)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _q(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: int,
-            rounds: int, model: str | None = None) -> dict[str, Any]:
+            rounds: int, model: str | None = None, guard_pid: int | None = None,
+            upstream_pid: int | None = None) -> dict[str, Any]:
     """``rounds`` pairs of back-to-back loads (direct then guard, or the other way round):
     the throughput ratio is the median of the per-pair ratios, so the shared machine's
     drift between pairs cancels out."""
@@ -144,14 +167,18 @@ def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: i
     rates: dict[str, list[float]] = {"direct": [], "guard": []}
     lats: dict[str, list[float]] = {"direct": [], "guard": []}
     ratios: list[float] = []
+    cpu = {(who, path): 0.0 for who in ("guard", "upstream") for path in ("direct", "guard")}
     _load(guard_port, concurrency, 2, model)  # warm both paths
     _load(upstream_port, concurrency, 2, model)
     for r in range(rounds):
         order = ("direct", "guard") if r % 2 == 0 else ("guard", "direct")
         pair = {}
         for path in order:
+            before = cpu_s(guard_pid), cpu_s(upstream_pid)
             rate, lat = _load(upstream_port if path == "direct" else guard_port,
                               concurrency, per_client, model)
+            cpu["guard", path] += cpu_s(guard_pid) - before[0]
+            cpu["upstream", path] += cpu_s(upstream_pid) - before[1]
             pair[path] = rate
             rates[path].append(rate)
             lats[path].extend(lat)
@@ -161,6 +188,10 @@ def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: i
                      "p50_ms": 1000 * _q(lats[path], 0.5), "p99_ms": 1000 * _q(lats[path], 0.99)}
     out["throughput_ratio"] = statistics.median(ratios)
     out["pair_ratios"] = [round(x, 4) for x in ratios]
+    n = rounds * concurrency * per_client
+    out["cpu_ms_per_request"] = {f"{who}_via_{path}": round(1000 * v / n, 4)
+                                 for (who, path), v in cpu.items()
+                                 if (who, path) != ("guard", "direct")}
     return out
 
 
@@ -169,17 +200,19 @@ def guard_rows(quick: bool, repeats: int, raw: dict[str, Any],
     from kvtestbed.bench.perf_row import Row
     from sidecar.canary.endpoint import parse_endpoint
 
-    concurrency, per_client = (4, 5) if quick else (8, 12)
+    concurrency, per_client = (4, 5) if quick else (8, 40)
     rounds = 2 if quick else max(10, 2 * repeats)
-    with _standin_or(upstream) as up_port, _process(_GUARD, str(up_port)) as guard_port:
-        m = measure(up_port, guard_port, concurrency, per_client, rounds)
+    with _standin_or(upstream) as (up_port, up_pid), \
+            _process(_GUARD, str(up_port)) as (guard_port, guard_pid):
+        m = measure(up_port, guard_port, concurrency, per_client, rounds,
+                    guard_pid=guard_pid, upstream_pid=up_pid)
     m["upstream"] = upstream or f"stand-in ({STAND_IN_SERVICE_S * 1000:g} ms per request)"
     if upstream:
         parse_endpoint(upstream.rstrip("/") + "/v1")  # loopback only, checked
     raw["guard"] = m
     d, g = m["direct"], m["guard"]
     lo, hi = min(m["pair_ratios"]), max(m["pair_ratios"])
-    return [
+    rows = [
         Row(f"guard closed: throughput at concurrency {concurrency}", g["throughput_rps"],
             d["throughput_rps"], "req/s", m["throughput_ratio"],
             f">= {TARGET_THROUGHPUT:g} x direct", m["throughput_ratio"] >= TARGET_THROUGHPUT,
@@ -189,14 +222,21 @@ def guard_rows(quick: bool, repeats: int, raw: dict[str, Any],
         Row("guard closed: latency P99", g["p99_ms"], d["p99_ms"], "ms",
             g["p99_ms"] / d["p99_ms"], "-", None),
     ]
+    cpu = m["cpu_ms_per_request"]
+    if cpu["upstream_via_direct"] > 0:  # the stand-in: its CPU is known too
+        served = cpu["guard_via_guard"] + cpu["upstream_via_guard"]
+        rows.append(Row("guard closed: server CPU per request (guard + upstream)", served,
+                        cpu["upstream_via_direct"], "ms", served / cpu["upstream_via_direct"],
+                        "-", None, f"guard {cpu['guard_via_guard']:.3g} ms"))
+    return rows
 
 
 @contextmanager
-def _standin_or(upstream: str | None) -> Iterator[int]:
+def _standin_or(upstream: str | None) -> Iterator[tuple[int, int | None]]:
     if upstream:
         from sidecar.canary.endpoint import parse_endpoint
 
-        yield parse_endpoint(upstream.rstrip("/") + "/v1").port
+        yield parse_endpoint(upstream.rstrip("/") + "/v1").port, None
         return
-    with _process(_STAND_IN, str(STAND_IN_SERVICE_S)) as port:
-        yield port
+    with _process(_STAND_IN, str(STAND_IN_SERVICE_S)) as (port, pid):
+        yield port, pid
