@@ -233,12 +233,14 @@ class SidecarServer:
     def authorized(self, headers: list[str]) -> bool:
         """Exactly one ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC
         6750) with the token compared in constant time; a bare token, another scheme, two
-        headers or trailing junk are refused."""
+        headers, trailing junk or whitespace other than SP/HTAB around it are refused."""
         if self.token is None:
             return True
         if len(headers) != 1:
             return False
-        scheme, _, given = headers[0].strip().partition(" ")
+        # Only SP and HTAB are whitespace around a field value (RFC 9110 5.5): str.strip()
+        # would also take a form feed or a latin-1 NBSP off a wrong token.
+        scheme, _, given = headers[0].strip(" \t").partition(" ")
         if scheme.lower() != "bearer":
             return False
         try:

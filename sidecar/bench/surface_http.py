@@ -48,7 +48,10 @@ def _auth_headers(rng: random.Random) -> list[bytes]:
             f"Basic {TOKEN}", f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", f"Bearer x{TOKEN}",
             f"Bearer {TOKEN} junk", f"Bearer\t{TOKEN}", "", "Bearer " + "A" * 8000,
             f"Bearer {TOKEN.upper()}", f"Bearer {TOKEN}\u00e9", f"Bearer {TOKEN}\x00",
-            f"Bearer {TOKEN.replace('Z', chr(0x396))}"]  # a Greek capital zeta
+            f"Bearer {TOKEN.replace('Z', chr(0x396))}",  # a Greek capital zeta
+            # whitespace str.strip() knows and HTTP does not (sent as the raw bytes), a CR
+            f"Bearer {TOKEN}\x0c", f"\x0bBearer {TOKEN}", f"Bearer {TOKEN}\udca0",
+            f"Bearer {TOKEN}\udc85", f"Bearer {TOKEN}\x1c", f"Bearer {TOKEN}\rX: y"]
     values = []
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
         v = rng.choice(pool)
@@ -67,8 +70,9 @@ def auth_variants(n: int, seed: int = 0) -> FuzzResult:
 
     from sidecar.server import SidecarServer
 
-    res = FuzzResult("bearer_auth", "bare token, other schemes, case, whitespace, prefixes, "
-                                    "suffixes, non-ASCII, NUL, 8 KB, duplicate headers")
+    res = FuzzResult("bearer_auth", "bare token, other schemes, case, whitespace (FF, VT, "
+                                    "NBSP, NEL), a bare CR, prefixes, suffixes, non-ASCII, "
+                                    "NUL, 8 KB, duplicate headers")
     srv = SidecarServer(CollectorRegistry(), dict, port=0, token=TOKEN, timeout_s=2.0).start()
     rng = random.Random(seed)
     try:
