@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import signal
@@ -162,6 +163,18 @@ def run_all(quick: bool, seed: int = 0, out: dict[str, Any] | None = None) -> di
     out = {} if out is None else out
     out.update({"quick": quick, "seed": seed, "started": time.perf_counter(), "rows": [],
                 "surfaces": []})
+    # A traceback the sidecar logs in any stage is a bug the run found, even when caught.
+    from sidecar.bench.surfaces import TracebackCounter
+
+    counter = out["_tracebacks"] = TracebackCounter()
+    logging.getLogger("sidecar").addHandler(counter)
+    try:
+        return _stages(out, quick, seed)
+    finally:
+        logging.getLogger("sidecar").removeHandler(counter)
+
+
+def _stages(out: dict[str, Any], quick: bool, seed: int) -> dict[str, Any]:
     n = 1000 if quick else FULL_CASES
     rows: list[FuzzResult] = []
     out["_rows"] = rows
@@ -219,6 +232,9 @@ def finish(out: dict[str, Any]) -> dict[str, Any]:
     """``out`` as printed: the rows and surfaces measured so far, and every check on the
     figures it holds (a stage a signal cut short is a failed check, never a quiet pass)."""
     rows: list[FuzzResult] = out.pop("_rows", [])
+    counter = out.pop("_tracebacks", None)
+    if counter is not None:
+        out["tracebacks"] = {"count": counter.count, "first": counter.first}
     results: list[Any] = out.pop("_surfaces", [])
     floods = out.setdefault("floods", {})
     web = out.get("http_surfaces")
@@ -244,6 +260,7 @@ def finish(out: dict[str, Any]) -> dict[str, Any]:
         checks[HOOK_RATIO_CHECK] = floods["hook_latency"]["ratio"] <= 2.0
         out["hook_p99_ratio_within_2x"] = checks[HOOK_RATIO_CHECK]
     checks.update({f"surface {r.name}: ok": r.ok for r in results})
+    checks["no traceback logged in any stage"] = out.get("tracebacks", {}).get("count", 0) == 0
     out.update({"ok": all(checks.values()) and bool(out.get("completed")),
                 "completed": bool(out.get("completed")), "stages_done": sorted(names),
                 "rows": [r.row() for r in rows], "surfaces": [r.row() for r in results],
@@ -288,6 +305,9 @@ def print_table(out: dict[str, Any]) -> None:
 
     if "http_surfaces" in out:
         print_surfaces(out["http_surfaces"])
+    tb = out.get("tracebacks", {})
+    print(f"\ntracebacks logged by the sidecar in all stages: {tb.get('count', 0)}"
+          + (f" (first: {tb['first']})" if tb.get("first") else ""))
     if not out["completed"]:
         print(f"\nSTOPPED by a signal: only {', '.join(out['stages_done']) or 'nothing'} "
               "finished")
@@ -300,8 +320,6 @@ def print_table(out: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """The bench; on SIGTERM or Ctrl-C it prints what it measured, leaves no child process
     and exits 128 + the signal (:mod:`sidecar.bench.interrupt`)."""
-    import logging
-
     from sidecar.bench.interrupt import kill_descendants, note, stoppable
 
     # The fuzz makes the sidecar log what it skips (rate-limited); keep the table readable.
