@@ -394,3 +394,23 @@ _alert_rules_before_scrub = alert_rules
 def alert_rules(cfg: MixinConfig) -> list[Alert]:  # the rules above, then the scrub's
     return [*_alert_rules_before_scrub(cfg), *scrub_alert_rules(cfg)]
 # --- end of the scrub block.
+
+
+
+# --- OTLP push health (alerts/otlp.py, sidecar/otlp_failures.py, issue 21): its recording
+# rule and alert appended to the ones above.
+_recording_rules_before_otlp = recording_rules
+_alert_rules_before_otlp = alert_rules
+
+
+def recording_rules(cfg: MixinConfig) -> list[Recording]:  # the rules above, then OTLP's
+    from alerts import otlp
+
+    return [*_recording_rules_before_otlp(cfg), *otlp.recording_rules(cfg)]
+
+
+def alert_rules(cfg: MixinConfig) -> list[Alert]:  # the rules above, then OTLP's
+    from alerts import otlp
+
+    return [*_alert_rules_before_otlp(cfg), *otlp.alert_rules(cfg)]
+# --- end of the OTLP push block.

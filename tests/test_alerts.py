@@ -126,6 +126,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarScrubOverdue": WARNING,  # the background scrub (sidecar/scrub.py)
         "KVCacheRecoveryFailures": WARNING,
         "KVCacheRecoveryLatencyHigh": WARNING,
+        "KVSidecarOtlpExportFailing": WARNING,  # the OTLP push (sidecar/otlp_failures.py)
     }
 
 
