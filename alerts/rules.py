@@ -153,7 +153,7 @@ RECOVERY_FAILURE_RATIO = _name("instance", S.RECOVERIES, "failed_ratio_rate5m")
 RECOVERY_P99 = _name("instance", S.RECOVERY_DURATION, "p99_rate5m")
 
 
-def recording_rules(cfg: MixinConfig) -> list[Recording]:
+def _core_recording_rules(cfg: MixinConfig) -> list[Recording]:
     q = _Q(cfg)
     w = cfg.rate_window
     p99 = ("histogram_quantile(0.99, sum by ({by}, le) "
@@ -224,7 +224,7 @@ _COUNT = '{{ printf "%.0f" $value }}'
 _PCT = "{{ $value | humanizePercentage }}"
 
 
-def alert_rules(cfg: MixinConfig) -> list[Alert]:
+def _core_alert_rules(cfg: MixinConfig) -> list[Alert]:
     q = _Q(cfg)
     t = THRESHOLDS
     by = q.by
@@ -371,26 +371,16 @@ def rule_groups(cfg: MixinConfig | None = None) -> dict[str, object]:
     ]}
 
 
-# --- background scrub (sidecar/checks/scrub.py; engineer scrub): one self-contained block that
-# appends its alert to alert_rules(). A scrub that stops completing passes is silent
-# otherwise: idle entries go unverified while every other signal looks calm.
-def scrub_alert_rules(cfg: MixinConfig) -> list[Alert]:
-    t = THRESHOLDS
-    last = _Q(cfg).sel(S.SCRUB_LAST_PASS)
-    return [Alert(
-        "KVSidecarScrubOverdue",
-        f"(time() - {last} > {t.scrub_pass_overdue_seconds:g}) and {last} > 0", "15m",
-        WARNING,
-        "kv-sidecar's background scrub is overdue ({{ $labels.instance }}).",
-        f"No background scrub pass has completed for {{{{ $value | humanizeDuration }}}} "
-        f"{_WHERE} (threshold {duration(t.scrub_pass_overdue_seconds)}): cache entries "
-        "nobody hits are not being re-verified. The scrub is skipped under load, starved "
-        "by its recompute budget, or stuck.")]
+
+def recording_rules(cfg: MixinConfig) -> list[Recording]:
+    """Every recording rule: the core ones, then OTLP push health's (alerts/otlp.py)."""
+    from alerts import otlp  # it imports this module's types
+
+    return [*_core_recording_rules(cfg), *otlp.recording_rules(cfg)]
 
 
-_alert_rules_before_scrub = alert_rules
+def alert_rules(cfg: MixinConfig) -> list[Alert]:
+    """Every alert: the core ones, the background scrub's, then OTLP push health's."""
+    from alerts import otlp, scrub
 
-
-def alert_rules(cfg: MixinConfig) -> list[Alert]:  # the rules above, then the scrub's
-    return [*_alert_rules_before_scrub(cfg), *scrub_alert_rules(cfg)]
-# --- end of the scrub block.
+    return [*_core_alert_rules(cfg), *scrub.alert_rules(cfg), *otlp.alert_rules(cfg)]

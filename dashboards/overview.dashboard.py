@@ -308,3 +308,20 @@ def _append_row(board: Dashboard, title: str,
 
 dashboard = _append_row(dashboard, "Scrub and actions", scrub_actions)
 # --- end of the scrub and actions block.
+
+# --- OTLP push health (sidecar/export/otlp_failures.py, issue 21): one row appended under the
+# others. A receiver that is down, silent or answering errors loses the pushed values while
+# the sidecar itself looks calm; here its failed batches show by reason next to the batches.
+otlp = [
+    (timeseries("OTLP export", "Batches the OTLP push exported per second, by signal, and "
+                "those the receiver did not take, by reason (connect: down; timeout: "
+                "silent; http: an error status or a redirect; error: anything else). "
+                "Failed batches are lost to the OTLP backend; verification goes on.",
+                "cps",
+                [(rate(S.OTLP_EXPORTS, "signal"), "{{signal}} batches"),
+                 (f"{rate(S.OTLP_EXPORT_FAILURES, 'signal, reason')} > 0",
+                  "{{signal}} failed: {{reason}}")],
+                steps("green", (ANY, "red"))), 24, 6),
+]
+dashboard = _append_row(dashboard, "OTLP push", otlp)
+# --- end of the OTLP push block.

@@ -292,6 +292,19 @@
               "runbook_url": ("%(runbookBaseURL)sKVSidecarScrubOverdue.md" % $._config),
             },
           },
+          {
+            "alert": "KVSidecarOtlpExportFailing",
+            "expr": "instance_signal_reason:kvsidecar_otlp_export_failures:increase10m > 0",
+            "for": "15m",
+            "labels": {
+              "severity": "warning",
+            },
+            "annotations": {
+              "summary": "kv-sidecar's OTLP push is failing ({{ $labels.signal }}: {{ $labels.reason }}).",
+              "description": "{{ printf \"%.0f\" $value }} OTLP {{ $labels.signal }} batch(es) were not taken by the receiver ({{ $labels.reason }}) in the last 10m on {{ $labels.instance }} ({{ $labels.engine }}, {{ $labels.model }}): what the OTLP backend shows of this sidecar is stale or missing. Verification goes on.",
+              "runbook_url": ("%(runbookBaseURL)sKVSidecarOtlpExportFailing.md" % $._config),
+            },
+          },
         ],
       },
     ],

@@ -142,6 +142,10 @@
             "record": "instance:kvsidecar_recovery_duration_seconds:p99_rate5m",
             "expr": ("histogram_quantile(0.99, sum by (job, instance, engine, model, le) (rate(kvsidecar_recovery_duration_seconds_bucket{%(kvSidecarSelector)s}[5m]))) >= 0" % $._config),
           },
+          {
+            "record": "instance_signal_reason:kvsidecar_otlp_export_failures:increase10m",
+            "expr": ("sum by (job, instance, engine, model, signal, reason) (\n    (increase(kvsidecar_otlp_export_failures_total{%(kvSidecarSelector)s}[10m]) > 0)\n  or\n    (\n      kvsidecar_otlp_export_failures_total{%(kvSidecarSelector)s} > 0\n      and\n      count_over_time(kvsidecar_otlp_export_failures_total{%(kvSidecarSelector)s}[10m])\n        < on (job, instance, engine, model) group_left\n      sum by (job, instance, engine, model) (count_over_time(kvsidecar_build_info{%(kvSidecarSelector)s}[10m]))\n    )\n)" % $._config),
+          },
         ],
       },
     ],

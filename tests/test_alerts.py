@@ -126,6 +126,7 @@ def test_the_issue_alert_list_with_its_severities() -> None:
         "KVSidecarScrubOverdue": WARNING,  # the background scrub (sidecar/checks/scrub.py)
         "KVCacheRecoveryFailures": WARNING,
         "KVCacheRecoveryLatencyHigh": WARNING,
+        "KVSidecarOtlpExportFailing": WARNING,  # the OTLP push (sidecar/export/otlp_failures.py)
     }
 
 

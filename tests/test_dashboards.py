@@ -95,11 +95,12 @@ def test_sections_cover_the_issue() -> None:
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Is the cache serving the right KV?", "Anomalies", "Verification coverage",
                     "Allocator health", "Latency", "Fleet", "Hybrid caches",
-                    "Scrub and actions"]  # the scrub's row (sidecar/checks/scrub.py, actions.py)
+                    "Scrub and actions",  # the scrub's row (sidecar/scrub.py, actions.py)
+                    "OTLP push"]  # sidecar/export/otlp_failures.py
     text = "\n".join(_exprs(d))
     for sig in (S.ANOMALIES, S.VERIFIED, S.SAMPLES_DROPPED, S.LAST_VERIFICATION,
                 S.ALLOCATION_FAILURES, S.ALLOCATIONS, S.FRAGMENTATION_RATIO, S.USAGE_RATIO,
-                S.INVARIANT_VIOLATIONS, S.SAMPLED):
+                S.INVARIANT_VIOLATIONS, S.SAMPLED, S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES):
         assert sig.name in text, f"no panel shows {sig.name}"
     assert "sum by (kind)" in text and "sum by (instance, group)" in text
     for q in ("0.5", "0.99"):

@@ -1,8 +1,9 @@
 """``kv-sidecar bench reliability --quick`` in the suite (~1-2 min): every fuzzer, flood,
 adapter fault, SIGKILL cycle and world-facing surface runs; nothing escapes, nothing is
 lost, nothing hangs or logs a traceback; ``ok`` is exactly the conjunction of the checks it
-prints. The timing check (hostile/clean hook p99 ratio) is part of ``ok`` but not asserted
-here: a test must not depend on timings holding on a loaded machine."""
+prints. The timing checks (hostile/clean hook p99 ratio, worst /healthz under slow clients,
+the storm/quiet engine P99) are part of ``ok`` but not asserted here: a test must not depend
+on timings holding on a loaded machine."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import json
 import subprocess
 import sys
 
-TIMING_CHECKS = {"hook flood: hostile/clean p99 ratio <= 2"}
+from kvtestbed.bench import surface_http
+from kvtestbed.bench.reliability import HOOK_RATIO_CHECK
+
+# Timings a loaded machine may miss: part of ``ok`` (in --quick too), not asserted here.
+TIMING_CHECKS = {HOOK_RATIO_CHECK, *surface_http.TIMING_CHECKS}
 
 
 def test_bench_reliability_quick_json() -> None:
@@ -48,6 +53,8 @@ def test_bench_reliability_quick_json() -> None:
     assert web["scrape_storm"]["generations"] <= max(web["scrape_storm"]["scrapes_served"], 1)
     for name, good in out["checks"].items():
         assert good or name in TIMING_CHECKS, name
+    assert out["completed"] is True
+    assert set(web["checks"]) <= set(out["checks"])  # every printed figure is a check
     assert out["ok"] is all(out["checks"].values())
     assert proc.returncode == (0 if out["ok"] else 1)
     assert out["replay_proxy"]["held_after"] == 0 and out["replay_proxy"]["threads_added"] == 0

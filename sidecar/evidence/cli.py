@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +215,15 @@ def _directory(value: str | None) -> Path:
     if not value:
         raise EvidenceError(f"no evidence directory: pass --dir DIR or set ${ENV_DIR}")
     path = Path(value)
-    if not path.is_dir():
-        raise EvidenceError(f"evidence directory {value!r} does not exist")
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise EvidenceError(f"evidence directory {value!r} does not exist") from None
+    except (OSError, ValueError) as exc:  # a link loop, no permission, a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise EvidenceError(f"evidence directory {value!r}: {why}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise EvidenceError(f"evidence directory {value!r} is not a directory")
     return path
 
 

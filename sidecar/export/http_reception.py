@@ -332,13 +332,16 @@ def _head_end(data: bytearray, start: int) -> int:
 def _parse_head(conn: Connection, end: int) -> bytes | None:
     """Method, path and body length from the head; an error response, or None."""
     conn.head_end = end
-    lines = bytes(conn.data[:end]).split(b"\n")
+    head = bytes(conn.data[:end])
+    if head.count(b"\r") != head.count(b"\r\n"):
+        return BAD_REQUEST  # a bare CR ends a line for some parsers, not others (RFC 9112 2.2)
+    lines = head.split(b"\n")
     parts = lines[0].strip().split()
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
         return BAD_REQUEST
     conn.method = parts[0].decode("latin-1")
     conn.path = parts[1].split(b"?", 1)[0].decode("latin-1")
-    length = 0
+    length = -1
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
@@ -346,9 +349,12 @@ def _parse_head(conn: Connection, end: int) -> bytes | None:
             return BAD_REQUEST  # no endpoint takes a chunked body
         if name == b"content-length":
             text = value.strip()
-            if not text.isdigit() or len(text) > 12:
+            if not text.isdigit() or len(text) > 12 or not text.isascii():
                 return BAD_REQUEST
+            if length >= 0 and int(text) != length:
+                return BAD_REQUEST  # two lengths: which body? (RFC 9112 6.3)
             length = int(text)
+    length = max(length, 0)
     if length > MAX_BODY_BYTES:
         return BODY_TOO_LARGE
     conn.need = end + length

@@ -15,7 +15,9 @@ readers of what the sidecar already has, nothing new on the engine's thread:
 A span says what was verified and how it went, never what the user wrote: the attributes are
 counts, block ids, group ids, check names and the verdict (:data:`SPAN_ATTRIBUTES`); token
 ids and key-field values stay out. Collector trouble is the SDK's to retry and log: it never
-reaches the verifier. Needs the ``otlp`` extra (``opentelemetry-exporter-otlp-proto-http``).
+reaches the verifier; every batch and every failed one (by reason: the receiver down, silent
+or answering an error) is counted (:mod:`sidecar.export.otlp_failures`). Needs the ``otlp`` extra
+(``opentelemetry-exporter-otlp-proto-http``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
     from sidecar.checks.verifier import Verdict
     from sidecar.core.monitor import Monitor
+    from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +180,25 @@ class OtlpPush:
 
     def __init__(self, registry: CollectorRegistry, endpoint: str, interval_s: float = 10.0,
                  resource_attributes: Mapping[str, str] | None = None,
-                 timeout_s: float = 5.0, protocol: str = "http/protobuf") -> None:
+                 timeout_s: float = 5.0, protocol: str = "http/protobuf",
+                 metrics: Metrics | None = None) -> None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        from sidecar.export.otlp_failures import (
+            CountingMetricExporter,
+            CountingSpanExporter,
+            ExportCounts,
+        )
+
         self.endpoint = parse_endpoint(endpoint)
         self.protocol = protocol
-        metric_exporter, span_exporter = _exporters(protocol, self.endpoint, timeout_s)
+        # Batches and failures by reason, in ``metrics`` (the sidecar's signals) if given.
+        self.counts = ExportCounts(metrics)
+        sessions = _sessions(protocol)
+        metric_sdk, span_sdk = _exporters(protocol, self.endpoint, timeout_s, sessions)
+        metric_exporter = CountingMetricExporter(metric_sdk, self.counts, sessions[0])
+        span_exporter = CountingSpanExporter(span_sdk, self.counts, sessions[1])
         self.metrics = OtelExporter(registry, metric_exporter, interval_s=interval_s,
                                     resource_attributes=resource_attributes)
         self.provider = TracerProvider(resource=self.metrics.resource)
@@ -204,7 +219,19 @@ class OtlpPush:
         self.metrics.shutdown()
 
 
-def _exporters(protocol: str, endpoint: str, timeout_s: float) -> tuple[Any, Any]:
+def _sessions(protocol: str) -> tuple[Any, Any]:
+    """One HTTP session per exporter that records how its last request ended (the
+    failure reason); none over gRPC."""
+    if protocol != "http/protobuf":
+        return None, None
+    require("otlp")
+    from sidecar.export.otlp_failures import recording_session
+
+    return recording_session(), recording_session()
+
+
+def _exporters(protocol: str, endpoint: str, timeout_s: float,
+               sessions: tuple[Any, Any] = (None, None)) -> tuple[Any, Any]:
     """The SDK's OTLP metric and span exporters for ``protocol``."""
     if protocol == "http/protobuf":
         require("otlp")
@@ -213,8 +240,10 @@ def _exporters(protocol: str, endpoint: str, timeout_s: float) -> tuple[Any, Any
         )
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return (OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", timeout=timeout_s),
-                OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", timeout=timeout_s))
+        return (OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", timeout=timeout_s,
+                                   session=sessions[0]),
+                OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", timeout=timeout_s,
+                                 session=sessions[1]))
     if protocol == "grpc":
         require("otlp-grpc")
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
@@ -237,6 +266,7 @@ def start_otlp_push(monitor: Monitor, endpoint: str, interval_s: float = 10.0,
     """Push ``monitor``'s signals and a span per verification to ``endpoint``."""
     push = OtlpPush(monitor.metrics.registry, endpoint, interval_s,
                     {"kvsidecar.engine": monitor.info.engine,
-                     "kvsidecar.model": monitor.info.model}, protocol=protocol)
+                     "kvsidecar.model": monitor.info.model}, protocol=protocol,
+                    metrics=monitor.metrics)
     monitor.reporter.listeners.append(push.spans.on_verdict)
     return push.start()

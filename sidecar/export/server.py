@@ -63,7 +63,8 @@ def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV,
     auth) when neither is set. A set but empty or whitespace-only token is refused
     (``ValueError``, one line): taken as "no token" it would silently turn auth off; so is
     one no client could send (not RFC 6750 token68 characters, over ``MAX_TOKEN_CHARS``). The
-    file must be a small regular UTF-8 file (:func:`sidecar.config.toml_file.read_small_text`)."""
+    file must be a small regular UTF-8 file
+    (:func:`sidecar.config.toml_file.read_small_text`)."""
     from sidecar.config.toml_file import MAX_TOKEN_BYTES, read_small_text
 
     environ = os.environ if environ is None else environ
@@ -233,12 +234,14 @@ class SidecarServer:
     def authorized(self, headers: list[str]) -> bool:
         """Exactly one ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC
         6750) with the token compared in constant time; a bare token, another scheme, two
-        headers or trailing junk are refused."""
+        headers, trailing junk or whitespace other than SP/HTAB around it are refused."""
         if self.token is None:
             return True
         if len(headers) != 1:
             return False
-        scheme, _, given = headers[0].strip().partition(" ")
+        # Only SP and HTAB are whitespace around a field value (RFC 9110 5.5): str.strip()
+        # would also take a form feed or a latin-1 NBSP off a wrong token.
+        scheme, _, given = headers[0].strip(" \t").partition(" ")
         if scheme.lower() != "bearer":
             return False
         try:

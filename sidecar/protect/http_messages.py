@@ -5,6 +5,7 @@ absolute-form targets)."""
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ _REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
             503: "Service Unavailable", 504: "Gateway Timeout"}
 MAX_HEADERS = 100
 _UNUSUAL_PATH = ("%", "//", "/.", "://")  # what normal_path has work to do on
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a field name (RFC 9110 5.6.2)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CTLs but HTAB (RFC 9110 5.5)
 
 
 @dataclass(frozen=True)
@@ -121,20 +124,27 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
         raise BadRequest(400, "bare CR or LF, or NUL, in the request head")
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper() \
+            or not parts[0].isascii():
         raise BadRequest(400, "malformed request line")
     method, target, version = parts
     if version not in ("HTTP/1.0", "HTTP/1.1") or not target.startswith("/"):
         raise BadRequest(400, "only origin-form HTTP/1.x requests are forwarded")
+    if _CONTROL.search(target):
+        raise BadRequest(400, "a control character in the request target")
     if len(lines) - 1 > MAX_HEADERS:
         raise BadRequest(431, f"more than {MAX_HEADERS} header lines")
     headers: list[tuple[str, str]] = []
     lengths: set[str] = set()
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or " " in name or "\t" in name or name != name.strip():
+        if not sep or not _TOKEN.fullmatch(name):
             raise BadRequest(400, "malformed header line")
-        value = value.strip()
+        # A bare CR or LF ends a line for the upstream's parser, not for this one: passed
+        # on, it would smuggle a header (a second Content-Length) past the proxy.
+        if _CONTROL.search(value):
+            raise BadRequest(400, "a control character (CR, LF, NUL, ...) in a header value")
+        value = value.strip(" \t")
         headers.append((name, value))
         low = name.lower()
         if low == "content-length":

@@ -12,6 +12,7 @@ acknowledged lost inside the retention window, at most ``capacity`` records and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ for line in sys.stdin:
     run = int(line)
     pid = os.fork()
     if pid == 0:
+        parent = os.getppid()
         try:
             log = EvidenceLog(capacity=capacity, directory=d, max_bytes=max_bytes)
             g = torch.Generator().manual_seed(run)
@@ -49,6 +51,8 @@ for line in sys.stdin:
                 # and a kill between them leaves half a line for the next one to join.
                 os.write(1, f"{rec['seq']} {run} {i}\\n".encode())
                 i += 1
+                if os.getppid() != parent:  # the parent is gone (the bench stopped): stop
+                    break
         finally:
             os._exit(0)
     os.write(1, f"pid {pid}\\n".encode())
@@ -74,6 +78,7 @@ def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
                                    str(max_bytes)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, env=env, text=True)
         assert parent.stdin is not None and parent.stdout is not None
+        writer = 0
         try:
             for run in range(cycles):
                 res.cases += 1
@@ -86,14 +91,16 @@ def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
                     line = parent.stdout.readline()
                 if not line:
                     raise RuntimeError("the evidence writer's parent died")
+                writer = int(line.split()[1])
                 time.sleep(rng.uniform(0.15, 0.5))
-                os.kill(int(line.split()[1]), signal.SIGKILL)
+                os.kill(writer, signal.SIGKILL)
                 for line in iter(parent.stdout.readline, "done\n"):
                     if not line:
                         raise RuntimeError("the evidence writer's parent died")
                     if line.endswith("done\n"):  # a line the kill cut short: not an ack
                         break
                     acks.append(line)
+                writer = 0  # killed and reaped by the parent: its pid may be reused
                 for ack in acks:
                     seq, r, i = (int(x) for x in ack.split())
                     if seq in seen and seen[seq] != (r, i):
@@ -113,6 +120,9 @@ def kill_cycles(cycles: int, capacity: int = 50, seed: int = 0,
                         and sorted(ondisk) == log.files:
                     res.survived += 1
         finally:
+            if writer:  # a stop between the fork and the kill must not leave it writing
+                with contextlib.suppress(OSError):
+                    os.kill(writer, signal.SIGKILL)
             parent.stdin.close()
             parent.kill()
             parent.wait(timeout=30)

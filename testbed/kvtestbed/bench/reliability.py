@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -35,6 +38,8 @@ from kvtestbed.bench.fuzz import FuzzResult, fuzz_events, fuzz_hooks, fuzz_http,
 from sidecar import signals as S
 
 FULL_CASES = 100_000
+CONFIG_ROWS = {"config_files", "config_env", "bearer_auth"}  # kvtestbed.bench.surface_http
+HOOK_RATIO_CHECK = "hook flood: hostile/clean p99 ratio <= 2"
 
 
 # ---------------------------------------------------------------- world-facing surfaces
@@ -152,11 +157,29 @@ def _progress(what: str) -> None:
     print(f"bench reliability: {what} ...", file=sys.stderr, flush=True)
 
 
-def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
+def run_all(quick: bool, seed: int = 0, out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every stage, each result kept in ``out`` as soon as it is measured (a run stopped by
+    a signal reports what it has: :func:`finish`)."""
+    out = {} if out is None else out
+    out.update({"quick": quick, "seed": seed, "started": time.perf_counter(), "rows": [],
+                "surfaces": []})
+    # A traceback the sidecar logs in any stage is a bug the run found, even when caught.
+    from kvtestbed.bench.surfaces import TracebackCounter
+
+    counter = out["_tracebacks"] = TracebackCounter()
+    logging.getLogger("sidecar").addHandler(counter)
+    try:
+        return _stages(out, quick, seed)
+    finally:
+        logging.getLogger("sidecar").removeHandler(counter)
+
+
+def _stages(out: dict[str, Any], quick: bool, seed: int) -> dict[str, Any]:
     n = 1000 if quick else FULL_CASES
-    started = time.perf_counter()
+    rows: list[FuzzResult] = []
+    out["_rows"] = rows
     _progress(f"kv_events, probe_wire ({n} cases each)")
-    rows: list[FuzzResult] = [fuzz_events(n, seed), fuzz_probe(n, seed + 1)]
+    rows += [fuzz_events(n, seed), fuzz_probe(n, seed + 1)]
     engine, mon = reference(sample_every=50)
     mon.start()
     try:
@@ -167,49 +190,83 @@ def run_all(quick: bool, seed: int = 0) -> dict[str, Any]:
 
         srv = SidecarServer(mon.metrics.registry, mon.summary, port=0,
                             health=lambda: monitor_health(mon), timeout_s=1.0)
-        rows.append(fuzz_http(srv, max(n // 5, 200) if quick else n, seed + 3))
-        srv.httpd.server_close()
+        try:
+            rows.append(fuzz_http(srv, max(n // 5, 200) if quick else n, seed + 3))
+        finally:
+            srv.httpd.server_close()
         json.dumps(mon.summary(), allow_nan=False)  # state not poisoned by the fuzz
     finally:
         mon.stop()
-    _progress("adapter_faults, evidence_sigkill, floods")
+    _progress("adapter_faults")
     rows.append(adapter_faults(40 if quick else 400, seed + 4))
+    _progress("evidence_sigkill")
     rows.append(kill_cycles(3 if quick else 20, seed=seed + 5))
     from kvtestbed.bench.reliability_proxy import proxy_surface  # the replay proxy (guard)
 
-    proxy_row, proxy_extra = proxy_surface(300 if quick else 10_000, seed + 7)
+    _progress("replay proxy")
+    proxy_row, out["replay_proxy"] = proxy_surface(300 if quick else 10_000, seed + 7)
     rows.append(proxy_row)
-    floods = {"hook_latency": hook_flood(2000 if quick else 50_000, seed + 6),
-              "labels": label_flood(500 if quick else 10_000),
-              "http": http_flood(50 if quick else 300, 20 if quick else 200)}
+    _progress("floods")
+    floods: dict[str, Any] = {}
+    out["floods"] = floods
+    floods["hook_latency"] = hook_flood(2000 if quick else 50_000, seed + 6)
+    floods["labels"] = label_flood(500 if quick else 10_000)
+    floods["http"] = http_flood(50 if quick else 300, 20 if quick else 200)
     from kvtestbed.bench.surfaces import run_surface
 
-    results = [run_surface(f, quick, seed + 10 + i) for i, f in enumerate(surfaces())]
+    results: list[Any] = []
+    out["_surfaces"] = results
+    for i, f in enumerate(surfaces()):
+        results.append(run_surface(f, quick, seed + 10 + i))
     # issue 21: config files and env, bearer auth, slow clients, scrape storm
     from kvtestbed.bench.surface_http import run_surfaces
 
-    surface_rows, http_surfaces = run_surfaces(quick, seed + 21)
-    # Every figure the table prints against a target is checked here, by name.
-    checks = {
-        "fuzz rows: nothing escaped, nothing lost":
-            all(r.escaped == 0 and r.lost == 0 and r.survived == r.cases for r in rows),
-        "config/auth rows: nothing escaped, nothing lost":
-            all(r.escaped == 0 and r.lost == 0 for r in surface_rows),
-        "http surfaces: every check holds": bool(http_surfaces["ok"]),
-        "label flood: < 100 series": floods["labels"]["series"] < 100,
-        "http flood: every idle connection closed by timeout":
-            floods["http"]["idle_closed"] == floods["http"]["idle"],
-        "http flood: every concurrent scrape ok":
-            floods["http"]["scrapes_ok"] == floods["http"]["scrapers"],
-        "hook flood: hostile/clean p99 ratio <= 2": floods["hook_latency"]["ratio"] <= 2.0,
-        **{f"surface {r.name}: ok": r.ok for r in results},
-    }
+    _progress("config_files, config_env, bearer_auth")
+    surface_rows, out["http_surfaces"] = run_surfaces(quick, seed + 21)
     rows += surface_rows
-    return {"quick": quick, "seed": seed, "ok": all(checks.values()),
-            "rows": [r.row() for r in rows], "surfaces": [r.row() for r in results],
-            "floods": floods, "checks": checks, "seconds": time.perf_counter() - started,
-            "http_surfaces": http_surfaces, "replay_proxy": proxy_extra,
-            "hook_p99_ratio_within_2x": floods["hook_latency"]["ratio"] <= 2.0}
+    out["completed"] = True
+    return finish(out)
+
+
+def finish(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` as printed: the rows and surfaces measured so far, and every check on the
+    figures it holds (a stage a signal cut short is a failed check, never a quiet pass)."""
+    rows: list[FuzzResult] = out.pop("_rows", [])
+    counter = out.pop("_tracebacks", None)
+    if counter is not None:
+        out["tracebacks"] = {"count": counter.count, "first": counter.first}
+    results: list[Any] = out.pop("_surfaces", [])
+    floods = out.setdefault("floods", {})
+    web = out.get("http_surfaces")
+    names = {r.name for r in rows}
+    checks: dict[str, bool] = {}
+    if not out.get("completed"):
+        checks["run completed (not stopped by a signal)"] = False
+    checks["fuzz rows: nothing escaped, nothing lost"] = all(
+        r.escaped == 0 and r.lost == 0 and r.survived == r.cases for r in rows
+        if r.name not in CONFIG_ROWS)
+    if web is not None:
+        checks["config/auth rows: nothing escaped, nothing lost"] = all(
+            r.escaped == 0 and r.lost == 0 for r in rows if r.name in CONFIG_ROWS)
+        checks.update(web["checks"])
+    if "labels" in floods:
+        checks["label flood: < 100 series"] = floods["labels"]["series"] < 100
+    if "http" in floods:
+        checks["http flood: every idle connection closed by timeout"] = \
+            floods["http"]["idle_closed"] == floods["http"]["idle"]
+        checks["http flood: every concurrent scrape ok"] = \
+            floods["http"]["scrapes_ok"] == floods["http"]["scrapers"]
+    if "hook_latency" in floods:
+        checks[HOOK_RATIO_CHECK] = floods["hook_latency"]["ratio"] <= 2.0
+        out["hook_p99_ratio_within_2x"] = checks[HOOK_RATIO_CHECK]
+    checks.update({f"surface {r.name}: ok": r.ok for r in results})
+    checks["no traceback logged in any stage"] = out.get("tracebacks", {}).get("count", 0) == 0
+    out.update({"ok": all(checks.values()) and bool(out.get("completed")),
+                "completed": bool(out.get("completed")), "stages_done": sorted(names),
+                "rows": [r.row() for r in rows], "surfaces": [r.row() for r in results],
+                "checks": checks,
+                "seconds": time.perf_counter() - out.pop("started", time.perf_counter())})
+    return out
 
 
 def print_table(out: dict[str, Any]) -> None:
@@ -217,18 +274,25 @@ def print_table(out: dict[str, Any]) -> None:
     for r in out["rows"]:
         print(f"{r['name']:<18}{r['cases']:>9}{r['survived']:>10}{r['escaped']:>9}"
               f"{r['lost']:>6}  {r['tried']}")
-    h, lab, web = (out["floods"][k] for k in ("hook_latency", "labels", "http"))
-    print(f"\nhook flood ({h['calls']} calls in interleaved {h['batch']}-call batches, hit of "
-          f"{h['hit_tokens']} tokens): p99 of the per-call batch means, best of "
-          f"{h['runs']} runs, clean "
-          f"{h['clean_p99_us']:.1f} us, hostile {h['hostile_p99_us']:.1f} us "
-          f"(ratio {h['ratio']:.2f}, target <= 2); unsampled {h['long_hit_tokens']}-token "
-          f"hit p99 {h['long_hit_p99_us']:.1f} us (break 7: O(hit) cost left in monitor.py)")
-    print(f"label flood: {lab['batches']} batches with new medium/group -> {lab['series']} "
-          f"series, {lab['per_batch_ms']:.3f} ms/batch")
-    print(f"http flood: {web['idle']} idle connections ({web['idle_closed']} closed by "
-          f"timeout), {web['scrapes_ok']}/{web['scrapers']} concurrent scrapes ok, worst "
-          f"{web['worst_scrape_s']:.2f} s, {web['rejected']} answered 503")
+    floods = out["floods"]
+    if "hook_latency" in floods:
+        h = floods["hook_latency"]
+        print(f"\nhook flood ({h['calls']} calls in interleaved {h['batch']}-call batches, "
+              f"hit of {h['hit_tokens']} tokens): p99 of the per-call batch means, best of "
+              f"{h['runs']} runs, clean "
+              f"{h['clean_p99_us']:.1f} us, hostile {h['hostile_p99_us']:.1f} us "
+              f"(ratio {h['ratio']:.2f}, target <= 2); unsampled {h['long_hit_tokens']}-token "
+              f"hit p99 {h['long_hit_p99_us']:.1f} us (break 7: O(hit) cost left in "
+              f"monitor.py)")
+    if "labels" in floods:
+        lab = floods["labels"]
+        print(f"label flood: {lab['batches']} batches with new medium/group -> "
+              f"{lab['series']} series, {lab['per_batch_ms']:.3f} ms/batch")
+    if "http" in floods:
+        web = floods["http"]
+        print(f"http flood: {web['idle']} idle connections ({web['idle_closed']} closed by "
+              f"timeout), {web['scrapes_ok']}/{web['scrapers']} concurrent scrapes ok, worst "
+              f"{web['worst_scrape_s']:.2f} s, {web['rejected']} answered 503")
     print(f"\n{'surface':<18}{'cases':>9}{'answered':>10}{'escaped':>9}{'lost':>6}"
           f"{'hangs':>7}{'tracebacks':>12}{'rss+MB':>8}  tried")
     for r in out["surfaces"]:
@@ -239,7 +303,14 @@ def print_table(out: dict[str, Any]) -> None:
             print(f"{'':<18}failed: {'; '.join(r['failed_checks'])}")
     from kvtestbed.bench.surface_http import print_surfaces
 
-    print_surfaces(out["http_surfaces"])
+    if "http_surfaces" in out:
+        print_surfaces(out["http_surfaces"])
+    tb = out.get("tracebacks", {})
+    print(f"\ntracebacks logged by the sidecar in all stages: {tb.get('count', 0)}"
+          + (f" (first: {tb['first']})" if tb.get("first") else ""))
+    if not out["completed"]:
+        print(f"\nSTOPPED by a signal: only {', '.join(out['stages_done']) or 'nothing'} "
+              "finished")
     failed = [name for name, good in out["checks"].items() if not good]
     print("\nOK: every check holds (nothing escaped, lost, hung or traced back)"
           if out["ok"] else f"\nFAILED: {'; '.join(failed)}")
@@ -247,13 +318,42 @@ def print_table(out: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
+    """The bench; on SIGTERM or Ctrl-C it prints what it measured, leaves no child process
+    and exits 128 + the signal (:mod:`kvtestbed.bench.interrupt`)."""
+    from kvtestbed.bench.interrupt import kill_descendants, note, stoppable
 
     # The fuzz makes the sidecar log what it skips (rate-limited); keep the table readable.
     logging.getLogger("sidecar").setLevel(logging.ERROR)
-    out = run_all(bool(args.quick), int(args.seed))
-    if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        print_table(out)
+    out: dict[str, Any] = {}
+    printed = threading.Lock()
+
+    def report(final: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(final, indent=1))
+        else:
+            print_table(final)
+        sys.stdout.flush()
+
+    def on_deadline(state: Any) -> None:  # the stage did not unwind: end it from here
+        if not printed.acquire(blocking=False):
+            return
+        note(f"signal {state.signum}: the running stage did not stop in time, ending it")
+        report(finish(out))
+        kill_descendants()
+        os._exit(state.exit_code)
+
+    with stoppable(on_deadline) as state:
+        try:
+            run_all(bool(args.quick), int(args.seed), out)
+        except KeyboardInterrupt:
+            note(f"stopped by signal {state.signum or signal.SIGINT}; reporting what was "
+                 "measured")
+            finish(out)
+        if not printed.acquire(blocking=False):
+            time.sleep(3600)  # the watchdog is printing and exiting
+        report(out)
+        if not out["completed"]:
+            kill_descendants()
+            sys.stderr.flush()
+            os._exit(state.exit_code)  # no interpreter teardown under live worker threads
     return 0 if out["ok"] else 1

@@ -76,7 +76,10 @@ def _case(rng: random.Random, big: int) -> tuple[bytes, str | None, bool]:
     if kind == 9:  # a body cut short, then the client gives up
         return (b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (len(body) + 10) + body,
                 "", True)
-    return b"POST / HTTP/1.1\r\nBad Header\r\n\r\n", "400", False
+    bad = rng.choice([b"Bad Header",  # and a CR, LF or NUL an upstream would split on
+                      b"X-A: a\nContent-Length: 50", b"X-A: a\rContent-Length: 50",
+                      b"X\nContent-Length: 50", b"X-A: a\x00b", b"Content-Length:\x0b0"])
+    return b"POST / HTTP/1.1\r\n" + bad + b"\r\n\r\n", "400", False
 
 
 def _exchange(addr: tuple[str, int], data: bytes, half_close: bool) -> bytes:

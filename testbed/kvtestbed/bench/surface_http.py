@@ -48,7 +48,10 @@ def _auth_headers(rng: random.Random) -> list[bytes]:
             f"Basic {TOKEN}", f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", f"Bearer x{TOKEN}",
             f"Bearer {TOKEN} junk", f"Bearer\t{TOKEN}", "", "Bearer " + "A" * 8000,
             f"Bearer {TOKEN.upper()}", f"Bearer {TOKEN}\u00e9", f"Bearer {TOKEN}\x00",
-            f"Bearer {TOKEN.replace('Z', chr(0x396))}"]  # a Greek capital zeta
+            f"Bearer {TOKEN.replace('Z', chr(0x396))}",  # a Greek capital zeta
+            # whitespace str.strip() knows and HTTP does not (sent as the raw bytes), a CR
+            f"Bearer {TOKEN}\x0c", f"\x0bBearer {TOKEN}", f"Bearer {TOKEN}\udca0",
+            f"Bearer {TOKEN}\udc85", f"Bearer {TOKEN}\x1c", f"Bearer {TOKEN}\rX: y"]
     values = []
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
         v = rng.choice(pool)
@@ -67,8 +70,9 @@ def auth_variants(n: int, seed: int = 0) -> FuzzResult:
 
     from sidecar.export.server import SidecarServer
 
-    res = FuzzResult("bearer_auth", "bare token, other schemes, case, whitespace, prefixes, "
-                                    "suffixes, non-ASCII, NUL, 8 KB, duplicate headers")
+    res = FuzzResult("bearer_auth", "bare token, other schemes, case, whitespace (FF, VT, "
+                                    "NBSP, NEL), a bare CR, prefixes, suffixes, non-ASCII, "
+                                    "NUL, 8 KB, duplicate headers")
     srv = SidecarServer(CollectorRegistry(), dict, port=0, token=TOKEN, timeout_s=2.0).start()
     rng = random.Random(seed)
     try:
@@ -279,33 +283,49 @@ def scrape_storm(requests_per_block: int, blocks: int = 4, scrapers: int = 32,
 # ---------------------------------------------------------------- wiring (reliability.py)
 def run_surfaces(quick: bool, seed: int = 0) -> tuple[list[FuzzResult], dict[str, Any]]:
     """Issue 21's config and HTTP surfaces: rows (config files, env, bearer auth) and the
-    slow-client and scrape-storm figures. Behaviour is asserted in both modes; the two
-    timing targets (/healthz within 1 s, storm P99 within 1.2x) need the full run's
-    samples and count toward ``ok`` there (``--quick`` reports them)."""
+    slow-client and scrape-storm figures, with a named check for each figure printed. The
+    same checks in both modes (``--quick`` included: the suite exempts the timing ones,
+    :data:`TIMING_CHECKS`, which a loaded machine may miss)."""
+    from kvtestbed.bench.interrupt import note
     from kvtestbed.bench.surface_config import fuzz_config
 
     files, env = fuzz_config(300 if quick else 10_000, seed)
     rows = [files, env, auth_variants(100 if quick else 2000, seed + 1)]
+    note("slow_clients ...")
     slow = slow_clients(2.0 if quick else 10.0)
-    storm = scrape_storm(15 if quick else 60, 2 if quick else 4, seed=seed + 2)
-    slow["asserted"] = storm["asserted"] = not quick
-    behaviour = slow["healthz_checks"] > 0 and slow["healthz_ok"] == slow["healthz_checks"] \
-        and storm["scrapes_served"] > 0
-    timing = slow["ok"] and storm["ok"]
-    return rows, {"slow_clients": slow, "scrape_storm": storm,
-                  "ok": behaviour and (quick or timing)}
+    note("scrape_storm ...")
+    # Short blocks, many alternations: both sides see the same spells of machine load
+    # (4 blocks of 60 measured 0.97 and 1.49 back to back under a load of 10 on 2 cores).
+    storm = scrape_storm(15, 2 if quick else 16, seed=seed + 2)
+    checks = {
+        "slow clients: /healthz answered 200 throughout":
+            slow["healthz_checks"] > 0 and slow["healthz_ok"] == slow["healthz_checks"],
+        SLOW_HEALTHZ_CHECK: slow["healthz_worst_s"] < 1.0,
+        "slow clients: /metrics answered throughout":
+            slow["metrics_ok"] == slow["healthz_checks"],
+        "scrape storm: scrapes served": storm["scrapes_served"] > 0,
+        "scrape storm: scrapes coalesced (generations <= scrapes)":
+            storm["generations"] <= max(storm["scrapes_served"], 1),
+        STORM_RATIO_CHECK: storm["ratio"] <= 1.2,
+    }
+    return rows, {"slow_clients": slow, "scrape_storm": storm, "checks": checks,
+                  "ok": all(checks.values())}
+
+
+SLOW_HEALTHZ_CHECK = "slow clients: worst /healthz < 1 s"
+STORM_RATIO_CHECK = "scrape storm: engine p99 storm/quiet <= 1.2"
+TIMING_CHECKS = (SLOW_HEALTHZ_CHECK, STORM_RATIO_CHECK)
 
 
 def print_surfaces(figures: dict[str, Any]) -> None:
     slow, storm = figures["slow_clients"], figures["scrape_storm"]
-    note = "" if slow["asserted"] else " (timing targets asserted in the full run)"
     print(f"slow clients: {slow['connections']} connections trickling a byte every "
           f"{slow['byte_every_s']:g} s for {slow['seconds']:g} s: /healthz "
           f"{slow['healthz_ok']}/{slow['healthz_checks']} answered 200, worst "
           f"{slow['healthz_worst_s'] * 1e3:.1f} ms (target < 1000 ms), /metrics "
           f"{slow['metrics_ok']} ok, {slow['slow_connections_cut']} slow connections cut by "
-          f"the whole-request deadline{note}")
+          f"the whole-request deadline")
     print(f"scrape storm: {storm['scrapers']} scrapers, {storm['scrapes_served']} scrapes "
           f"served from {storm['generations']} generations; engine request p99 quiet "
           f"{storm['quiet_p99_ms']:.1f} ms, storm {storm['storm_p99_ms']:.1f} ms (ratio "
-          f"{storm['ratio']:.2f}, target <= 1.2){note}")
+          f"{storm['ratio']:.2f}, target <= 1.2)")

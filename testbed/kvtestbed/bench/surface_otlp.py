@@ -3,7 +3,9 @@ that is down (connection refused), silent (accepts, never answers) or failing (H
 
 The sidecar must keep verifying while each export fails: every export attempt returns
 within the exporter's timeout (plus the SDK's retry budget) and is counted in
-``failures``; the verifier stays healthy and verifications keep growing; span batches go
+``failures`` and in the signal ``kvsidecar_otlp_export_failures_total`` with the
+receiver's reason (connect, timeout, http) and no other; the verifier stays healthy and
+verifications keep growing; span batches go
 to the same dead receiver without reaching the verifier. Needs the ``otlp`` extra; without
 it the surface reports itself skipped (and ``ok`` is false, so a run never passes quietly
 without it).
@@ -23,6 +25,9 @@ from kvtestbed.bench.surfaces import SurfaceResult
 from sidecar import signals as S
 
 EXPORT_TIMEOUT_S = 0.3
+# The reason each receiver's failures must be counted with (kvsidecar_otlp_export_failures_total)
+REASONS = {"down": S.OtlpFailure.CONNECT, "silent": S.OtlpFailure.TIMEOUT,
+           "500": S.OtlpFailure.HTTP}
 
 
 @contextlib.contextmanager
@@ -64,28 +69,37 @@ def otlp_endpoints(quick: bool, seed: int) -> SurfaceResult:
     try:
         for kind in ("down", "silent", "500"):
             with _receiver(kind) as url:
-                res.figures[kind] = _one(res, url, exports, engine, mon)
+                res.figures[kind] = _one(res, url, exports, engine, mon, REASONS[kind])
     finally:
         mon.stop()
         sdk_log.setLevel(level)
     return res
 
 
-def _one(res: SurfaceResult, url: str, exports: int, engine: Any, mon: Any) -> dict[str, Any]:
+def _failures(mon: Any, reason: S.OtlpFailure) -> float:
+    return float(mon.metrics.value(S.OTLP_EXPORT_FAILURES.name, signal="metrics",
+                                   reason=reason.value))
+
+
+def _one(res: SurfaceResult, url: str, exports: int, engine: Any, mon: Any,
+         reason: S.OtlpFailure) -> dict[str, Any]:
     from kvtestbed.engines.engine import Request
     from sidecar.core.health import monitor_health
     from sidecar.export.otel_push import OtlpPush
 
     # Exports driven below, one by one; a short timeout keeps a dead receiver's wait short.
     push = OtlpPush(mon.metrics.registry, url, interval_s=3600,
-                    timeout_s=EXPORT_TIMEOUT_S)
+                    timeout_s=EXPORT_TIMEOUT_S, metrics=mon.metrics)
     mon.reporter.listeners.append(push.spans.on_verdict)
     verified_before = mon.metrics.value_sum(S.VERIFIED.name)
+    others = [r for r in S.OtlpFailure if r is not reason]
+    others_before = {r.value: _failures(mon, r) for r in others}
     worst = 0.0
     try:
         for i in range(exports):
             engine.serve(Request(list(range(1, 33)) + [i % 7 + 40], max_new_tokens=1))
             before = push.metrics.failures
+            signal_before = _failures(mon, reason)
             started = time.monotonic()
             res.cases += 1
             try:
@@ -97,7 +111,9 @@ def _one(res: SurfaceResult, url: str, exports: int, engine: Any, mon: Any) -> d
             worst = max(worst, took)
             if took > 30:  # the SDK's retries are bounded by its timeout; 30 s is a hang
                 res.hangs += 1
-            res.answered += (not ok) and push.metrics.failures == before + 1
+            # answered: refused, counted on the exporter and as the signal, by its reason
+            res.answered += (not ok) and push.metrics.failures == before + 1 \
+                and _failures(mon, reason) == signal_before + 1
         mon.drain(30)
         verified = mon.metrics.value_sum(S.VERIFIED.name) - verified_before
         healthy = bool(monitor_health(mon)["ok"])
@@ -109,6 +125,10 @@ def _one(res: SurfaceResult, url: str, exports: int, engine: Any, mon: Any) -> d
     res.check(healthy, f"{url}: the verifier stays healthy while exports fail")
     res.check(verified > 0, f"{url}: verifications continue while exports fail")
     res.check(shutdown_s < 60, f"{url}: shutdown returns ({shutdown_s:.1f} s)")
+    other = {r.value: _failures(mon, r) - others_before[r.value] for r in others}
+    res.check(not any(other.values()), f"{url}: only {reason.value} failures counted, "
+                                       f"got {other}")
     return {"exports": push.metrics.exports, "failures": push.metrics.failures,
+            "failures_signal": {reason.value: _failures(mon, reason)},
             "verified": verified, "worst_export_s": round(worst, 2),
             "shutdown_s": round(shutdown_s, 2)}
