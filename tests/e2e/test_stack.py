@@ -215,13 +215,15 @@ def _seconds(duration: str) -> float:
 
 
 # Series of features the stack's sidecars do not run (each off by default): an offload tier
-# (recoveries), the background scrub, quarantine and the breaker. A panel is excused only
-# when every series it reads is one of these; its data is proven where the feature runs
-# (tests/test_scrub.py, tests/test_actions.py, tests/test_hybrid_admission.py).
+# (recoveries), the background scrub, quarantine and the breaker, OTLP push. A panel is
+# excused only when every series it reads is one of these; its data is proven where the
+# feature runs (tests/test_scrub.py, tests/test_actions.py, tests/test_hybrid_admission.py,
+# tests/test_otlp_failures.py).
 FEATURE_OFF_SIGNALS = (S.RECOVERY_DURATION, S.BREAKER_OPEN, S.BREAKER_PROBES, S.QUARANTINED,
                        *S.GUARD_SIGNALS,  # the cache-bypass guard: its own process
                        S.SCRUB_RECOMPUTE_RATE, S.SCRUB_BUDGET, S.SCRUB_PROGRESS,
-                       S.SCRUB_COVERAGE)
+                       S.SCRUB_COVERAGE,
+                       S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES)  # OTLP push: --otlp-endpoint
 
 
 def _feature_off(line: str) -> bool:
