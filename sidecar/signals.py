@@ -383,6 +383,9 @@ class DropReason(enum.StrEnum):
     BUDGET = "budget"  # recompute budget exhausted
     ADAPTER_ERROR = "adapter_error"
     ADAPTER_TIMEOUT = "adapter_timeout"
+    # Not called: earlier calls of the same op are still stuck past their time limit
+    # (sidecar/core/time_limits.py), so the engine is wedged, not this call slow.
+    ADAPTER_REFUSED = "adapter_refused"
     # The block was freed or stored again (the sidecar's own epoch moved) between the match
     # and the sidecar's read: legitimately reused, so the read is not compared.
     EVICTED_BEFORE_READ = "evicted_before_read"
@@ -392,6 +395,27 @@ class DropReason(enum.StrEnum):
     CAPTURE_TOO_LARGE = "capture_too_large"  # served-KV capture over capture_max_bytes
     SHUTDOWN = "shutdown"
     ADMISSION = "admission"  # over the cap on concurrent recomputes / recoveries
+
+
+class AdapterErrorReason(enum.StrEnum):
+    """The value of the ``reason`` label of :data:`ADAPTER_ERRORS`."""
+
+    ERROR = "error"  # the call raised
+    TIMEOUT = "timeout"  # ran past adapter_timeout_s (abandoned, still running)
+    REFUSED = "refused"  # not called: earlier calls of the op still stuck
+    GARBAGE = "garbage"  # returned something that is not a BlockKV (skipped)
+    MISSING_BLOCK = "missing_block"  # a requested block did not come back
+    UNEXPECTED_BLOCK = "unexpected_block"  # a block that was not requested came back
+
+
+# Which reasons each adapter op can report (pre-created at 0 by the Monitor).
+ADAPTER_ERROR_REASONS: dict[str, tuple[AdapterErrorReason, ...]] = {
+    op: (AdapterErrorReason.ERROR, AdapterErrorReason.TIMEOUT, AdapterErrorReason.REFUSED,
+         AdapterErrorReason.GARBAGE)
+    + ((AdapterErrorReason.MISSING_BLOCK, AdapterErrorReason.UNEXPECTED_BLOCK)
+       if op in ("read", "recompute") else ())
+    for op in ("read", "recompute", "allocator", "block_tables", "capture")
+}
 
 
 @dataclass(frozen=True)

@@ -171,9 +171,9 @@ class Monitor(JournaledHooks):
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
         for hook in HOOKS:
             m.inc(S.HOOK_ERRORS, 0, hook=hook)
-        for op in ("read", "recompute", "allocator", "block_tables", "capture"):
-            for why in ("error", "timeout"):
-                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
+        for op, reasons in S.ADAPTER_ERROR_REASONS.items():
+            for why in reasons:
+                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why.value)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
         self.verifier.calibration.publish(m, self.verifier.reference_kind)
