@@ -114,7 +114,7 @@ INVARIANT_CHECK_DURATION = _s("invariant_check_duration_seconds", H,
                               "Time to take and check one allocator block-table snapshot.",
                               unit="seconds", buckets=CHECK_BUCKETS)
 THRESHOLD = _s("threshold", G,
-               "Alerting thresholds (seed 001 section 5.4; signals.THRESHOLDS), by name, "
+               "Alerting thresholds (sidecar.signals.THRESHOLDS), by name, "
                "for alert rules and dashboard threshold lines.", ("threshold",))
 
 ALL_SIGNALS: tuple[Signal, ...] = (
@@ -420,7 +420,7 @@ ADAPTER_ERROR_REASONS: dict[str, tuple[AdapterErrorReason, ...]] = {
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Alerting thresholds (seed 001 §5.4), used by the alert rules, the dashboards'
+    """Alerting thresholds, used by the alert rules, the dashboards'
     threshold lines, the demo summary and the docs."""
 
     usage_ratio: float = 0.85
