@@ -5,7 +5,7 @@
 
 Each source follows grafanalib's convention (a module-level ``dashboard``); the JSON is
 committed so Grafana users can import it without Python, and the check keeps it from
-drifting away from the source and from ``sidecar/signals.py``.
+drifting away from the source and from ``sidecar/signals/``.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
 """Deployment artefacts (Kubernetes manifests, prometheus-operator resources, the monitoring
 mixin) and the generator that keeps them equal to ``alerts/``, ``dashboards/`` and
-``sidecar/signals.py``. Not part of the installed package."""
+``sidecar/signals/``. Not part of the installed package."""

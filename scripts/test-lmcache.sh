@@ -22,7 +22,7 @@ if [ ! -f "$STAMP" ]; then
     "$PY" -m pip install -q --upgrade pip
     # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
     "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q lmcache==0.5.6 "transformers>=5.0" pytest opentelemetry-sdk \
+    "$PY" -m pip install -q lmcache==0.5.6 "transformers>=5.0" pytest pytest-timeout opentelemetry-sdk \
         "apscheduler>=3.10,<4"
     "$PY" -m pip install -q --no-deps -e . -e ./testbed
     "$PY" -c "import lmcache.v1.cache_engine, sidecar.adapters.lmcache" 2>/dev/null \
@@ -34,6 +34,8 @@ fi
 # The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
 # venv built before it was a distribution of its own.
 "$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
+# pytest-timeout (the per-test limit in pyproject.toml), also in a venv built before it.
+"$PY" -c "import pytest_timeout" 2>/dev/null || "$PY" -m pip install -q pytest-timeout
 
 # LMCache hashes token chunks with Python's hash() unless told otherwise: fix the seed so the
 # chunk keys (and the disk file names) are the same in every process.

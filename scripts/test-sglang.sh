@@ -40,7 +40,7 @@ if [ ! -f "$STAMP" ]; then
         airportsdata cloudpickle diskcache jsonschema "kernels-data>=0.14.0.dev1" lark \
         loguru nest_asyncio outlines_core==0.1.26 pycountry referencing safetensors \
         "tomlkit>=0.13.3" \
-        pytest msgpack opentelemetry-sdk "apscheduler>=3.10,<4" grafanalib pyyaml cbor2
+        pytest pytest-timeout msgpack opentelemetry-sdk "apscheduler>=3.10,<4" grafanalib pyyaml cbor2
     "$PY" -m pip install -q --no-deps compressed-tensors==0.18.0 xgrammar==0.2.7 \
         timm==1.0.25 outlines==0.1.11 "torch_memory_saver>=0.0.9.post1" \
         "kernels>=0.14.1,<0.15"
@@ -56,6 +56,8 @@ fi
 # The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
 # venv built before it was a distribution of its own.
 "$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
+# pytest-timeout (the per-test limit in pyproject.toml), also in a venv built before it.
+"$PY" -c "import pytest_timeout" 2>/dev/null || "$PY" -m pip install -q pytest-timeout
 
 started=$(date +%s)
 rc=0

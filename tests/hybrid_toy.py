@@ -35,6 +35,7 @@ from sidecar.core.protocol import (
     StoredBlock,
     TierState,
 )
+from tests.limits import DETECTION_TIMEOUT_S
 
 BS, HEADS, DIM = 4, 2, 8
 FULL, SLIDING, RECURRENT = 0, 1, 2
@@ -175,7 +176,7 @@ def make(dtype: torch.dtype = torch.float32, **config) -> tuple[HybridToyEngine,
     engine = HybridToyEngine(sink=None, dtype=dtype)
     adapter = HybridToyAdapter(engine)
     cfg = SidecarConfig(**{"sample_every": 1, "blocks_per_sample": 8, "dispatch": "inline",
-                           "recompute_tokens_per_s": 0, "adapter_timeout_s": 5.0,
+                           "recompute_tokens_per_s": 0, "adapter_timeout_s": DETECTION_TIMEOUT_S,
                            "allocator_every_s": 0, **config})
     monitor = Monitor(adapter, cfg)
     engine.sink = monitor

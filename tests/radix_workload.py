@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, Hit
+from tests.limits import DETECTION_TIMEOUT_S
 from tests.radix_adapter import RadixAdapter
 from tests.radix_engine import RadixEngine, Request
 from tests.radix_faults import RadixFault
@@ -91,7 +92,8 @@ def monitored(num_slots: int, fault: RadixFault | None = None, delay_s: float = 
     adapter.delay_s = delay_s
     mon = Monitor(adapter, SidecarConfig(sample_every=1, blocks_per_sample=blocks_per_sample,
                                          recompute_tokens_per_s=0, queue_size=10_000,
-                                         capture=capture, allocator_check_min_interval_s=-1),
+                                         capture=capture, adapter_timeout_s=DETECTION_TIMEOUT_S,
+                                         allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
     adapter.attach(mon)
     return engine, adapter, mon.start() if start else mon

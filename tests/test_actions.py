@@ -13,12 +13,14 @@ from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Request, Res
 from sidecar import signals as S
 from sidecar.checks.verifier import Verdict
 from sidecar.core.monitor import Monitor, SidecarConfig
+from tests.limits import DETECTION_TIMEOUT_S
 
 BS = 16
 # Every hit verified inline, every full block of it: a later hit of a bad block is seen.
 EVERY_HIT = SidecarConfig(sample_every=1, blocks_per_sample=64, dispatch="inline",
                           allocator_every_s=0, recompute_tokens_per_s=0, scrub_idle_s=0,
-                          scrub_blocks_per_tick=1, scrub_tokens_per_minute=1e9, scrub_seed=3)
+                          scrub_blocks_per_tick=1, scrub_tokens_per_minute=1e9, scrub_seed=3,
+                          adapter_timeout_s=DETECTION_TIMEOUT_S)
 
 
 def _setup(config: SidecarConfig) -> tuple[ReferenceEngine, Monitor]:

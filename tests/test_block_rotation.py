@@ -16,6 +16,7 @@ from sidecar.adapters.vllm.groups import choose_group_blocks, groups_from_config
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import CacheGroup, GroupKind, Hit, Lookup
 from sidecar.core.sampling import BlockCursors, UniformSampler, choose_blocks
+from tests.limits import DETECTION_TIMEOUT_S
 
 BS = 16
 
@@ -91,7 +92,7 @@ def test_a_zeroed_middle_block_of_an_8_block_prefix_is_checked_within_8_sampled_
         engine = ReferenceEngine(EngineConfig(num_blocks=64))
         monitor = Monitor(ReferenceAdapter(engine), SidecarConfig(
             sample_every=1, blocks_per_sample=2, dispatch="inline", seed=seed,
-            allocator_every_s=0.0))
+            allocator_every_s=0.0, adapter_timeout_s=DETECTION_TIMEOUT_S))
         sink = _LastHit(monitor)
         engine.sink = sink  # type: ignore[assignment]
         bs = engine.block_size

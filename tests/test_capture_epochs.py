@@ -18,6 +18,7 @@ from sidecar import signals as S
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, Hit, Lookup, StoredBlock
 from sidecar.signals import AnomalyKind, DropReason
+from tests.limits import DETECTION_TIMEOUT_S
 
 
 class ServedThenRepaired(Fault):
@@ -184,6 +185,7 @@ def _run(fault: Fault | None, capture: bool, delay_s: float, stamps: bool = True
     mon = Monitor(adapter, SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
                                          queue_size=10_000, capture=capture,
                                          blocks_per_sample=blocks_per_sample,
+                                         adapter_timeout_s=DETECTION_TIMEOUT_S,
                                          allocator_check_min_interval_s=-1),
                   registry=CollectorRegistry())
     inner = mon if stamps else StampStripper(mon, pace_s)

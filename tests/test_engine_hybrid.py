@@ -25,6 +25,7 @@ from sidecar.checks.group_coverage import required_blocks
 from sidecar.checks.recompute import block_error
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockRef, GroupKind, Hit, Lookup, StoredBlock
+from tests.limits import DETECTION_TIMEOUT_S
 
 BS = 16
 HYBRID_FAULTS = sorted(n for n, cls in FAULTS.items() if cls.needs_groups)
@@ -79,7 +80,7 @@ def run(model: str, fault: str = "none", requests: int = 40, dtype: str = "float
     # lookup for the hits the ground truth calls affected.
     monitor = Monitor(make_adapter(engine),  # type: ignore[arg-type]
                       SidecarConfig(sample_every=1 << 30, blocks_per_sample=1 << 20,
-                                    recompute_tokens_per_s=0,
+                                    recompute_tokens_per_s=0, adapter_timeout_s=DETECTION_TIMEOUT_S,
                                     allocator_check_min_interval_s=-1))
     rec = Recorder(monitor)
     rec.verify_affected = fault != "none"
@@ -227,7 +228,7 @@ def test_correct_hybrid_cache_with_evicted_window_positions_is_not_flagged() -> 
     # large), not a test sampler: out-of-window positions are never asked about.
     monitor = Monitor(make_adapter(engine),  # type: ignore[arg-type]
                       SidecarConfig(sample_every=1, recompute_tokens_per_s=0,
-                                    blocks_per_sample=10_000,
+                                    blocks_per_sample=10_000, adapter_timeout_s=DETECTION_TIMEOUT_S,
                                     allocator_check_min_interval_s=-1))
     verdicts = []
     rec = Recorder(monitor)
@@ -246,8 +247,8 @@ def test_correct_hybrid_cache_with_evicted_window_positions_is_not_flagged() -> 
     # A sampler that does ask about every position (null ones included) gets the same
     # answer: the verifier never reads a null block as KV.
     asked = Monitor(make_adapter(engine), SidecarConfig(  # type: ignore[arg-type]
-        sample_every=1, recompute_tokens_per_s=0, allocator_check_min_interval_s=-1),
-        sampler=EveryBlockSampler())
+        sample_every=1, recompute_tokens_per_s=0, allocator_check_min_interval_s=-1,
+        adapter_timeout_s=DETECTION_TIMEOUT_S), sampler=EveryBlockSampler())
     assert not [f for hit in rec.hits[-10:] for f in asked.verify(hit).findings]
 
 

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import Hit, Lookup, StoredBlock, TierState
 from sidecar.signals import AnomalyKind
+from tests.limits import DETECTION_TIMEOUT_S
 from tests.reference_helpers import greedy_without_cache
 
 S = TierState
@@ -263,6 +264,7 @@ def tier_run(fault: str = "none", verify: bool = False, **config: object
         monitor = Monitor(ReferenceAdapter(engine),
                           SidecarConfig(sample_every=1, blocks_per_sample=1 << 20,
                                         recompute_tokens_per_s=0,
+                                        adapter_timeout_s=DETECTION_TIMEOUT_S,
                                         allocator_check_min_interval_s=-1),
                           registry=CollectorRegistry())
     sink = TierSink(engine, monitor)

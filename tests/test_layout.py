@@ -42,6 +42,7 @@ TESTBED_HOOKS = {("sidecar.cli.main", "kvtestbed.commands")}
 ROLE_NAMES = {
     "__init__", "__main__", "cli", "adapter", "service", "layout", "metrics_bridge",
     "reference",  # the HF recompute oracle of an adapter (vLLM, LMCache)
+    "signals",  # a package's own signal set (sidecar/signals/__init__.py assembles them)
 }
 
 # Files over MAX_LINES today, to be split (the contract, monitor, signals and protect changes
@@ -49,7 +50,6 @@ ROLE_NAMES = {
 TOO_LONG = {
     "sidecar/core/protocol.py",
     "sidecar/core/monitor.py",
-    "sidecar/signals.py",
 }
 
 

@@ -146,7 +146,8 @@ def test_adapter_owned_families_go_through_otlp_too() -> None:
     from sidecar.export.metrics import Metrics
 
     owned = [s for group in S.ADAPTER_SIGNALS.values() for s in group]
-    metrics = Metrics("vllm", "m", extra_signals=owned)
+    metrics = Metrics("vllm", "m")
+    metrics.register(owned)  # the one path an adapter's set takes
     for sig in owned:
         labels = {name: "x" for name in sig.labels}
         if sig.type is S.MetricType.COUNTER:

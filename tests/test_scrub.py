@@ -16,12 +16,14 @@ from sidecar.checks.scrub import Scrubber, ScrubSettings
 from sidecar.checks.scrub_budget import RecomputeBudget
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import TierState
+from tests.limits import DETECTION_TIMEOUT_S
 from tests.reference_helpers import SMALL_POOL
 
 # The hit path effectively never samples (1 in 10^6): whatever is found, the scrub found.
 QUIET = SidecarConfig(sample_every=10**6, dispatch="inline", allocator_every_s=0,
                       recompute_tokens_per_s=0, scrub_idle_s=0, scrub_blocks_per_tick=8,
-                      scrub_tokens_per_minute=1e9, scrub_seed=7, burst_hits=0)
+                      scrub_tokens_per_minute=1e9, scrub_seed=7, burst_hits=0,
+                      adapter_timeout_s=DETECTION_TIMEOUT_S)
 # A few conversations: enough resident blocks with real prefixes, in about a second.
 WARM = WorkloadConfig(conversations=8, max_turns=4)
 

@@ -20,6 +20,7 @@ from sidecar.core.sampling import AdaptiveSampler, Burst, UniformSampler
 from sidecar.core.store_index import StoreIndex
 from sidecar.export.metrics import Metrics
 from sidecar.export.outlook import DetectionOutlook
+from tests.limits import DETECTION_TIMEOUT_S
 
 HIT = Hit(tokens=[1] * 40, hit_tokens=32, blocks={0: [1, 2]})
 
@@ -60,7 +61,8 @@ def test_monitor_starts_in_a_burst_and_exports_rate_and_expected_detection() -> 
     engine = ReferenceEngine(EngineConfig(num_blocks=64))
     mon = Monitor(ReferenceAdapter(engine), SidecarConfig(
         sample_every=100, burst_hits=20, burst_every=2, dispatch="inline",
-        allocator_every_s=0.0, detection_fault_fraction=0.05))
+        allocator_every_s=0.0, detection_fault_fraction=0.05,
+        adapter_timeout_s=DETECTION_TIMEOUT_S))
     engine.sink = mon
     m = mon.metrics
     assert m.value(S.SAMPLE_EVERY_CURRENT.name) == 2
@@ -96,7 +98,7 @@ def test_verified_share_counts_distinct_blocks_verified_since_written() -> None:
     engine = ReferenceEngine(EngineConfig(num_blocks=128))
     mon = Monitor(ReferenceAdapter(engine), SidecarConfig(
         sample_every=1, blocks_per_sample=64, burst_hits=0, dispatch="inline",
-        allocator_every_s=0.0))
+        allocator_every_s=0.0, adapter_timeout_s=DETECTION_TIMEOUT_S))
     engine.sink = mon
     bs = engine.block_size
     a = [3] * (4 * bs + 1)

@@ -25,6 +25,7 @@ from sidecar.cli.main import main
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, Hit
 from sidecar.signals import AnomalyKind
+from tests.limits import DETECTION_TIMEOUT_S
 from tests.toy import BS, ToyAdapter, ToyEngine, reference_kv
 
 
@@ -132,7 +133,8 @@ class NoisyAdapter(ToyAdapter):
 
 
 def _monitor(adapter: ToyAdapter, **cfg: object) -> Monitor:
-    mon = Monitor(adapter, SidecarConfig(sample_every=1, blocks_per_sample=4, **cfg))
+    mon = Monitor(adapter, SidecarConfig(sample_every=1, blocks_per_sample=4,
+                                         adapter_timeout_s=DETECTION_TIMEOUT_S, **cfg))
     adapter.engine.sink = mon
     return mon
 

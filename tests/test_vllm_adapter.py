@@ -40,6 +40,7 @@ from sidecar.adapters.vllm.wire import (
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import AdapterError, BlockRef
 from sidecar.export.metrics import Metrics
+from tests.limits import DETECTION_TIMEOUT_S
 
 METRICS_TEXT = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 
@@ -227,7 +228,9 @@ def test_monitor_verifies_captured_hits_against_hf(tiny_model: str, dtype: str) 
                    {(0, 0): (hf[0].key, hf[0].value), (0, 2): (hf[1].key, hf[1].value)})
     swapped = Capture("d", "hit", None, tuple(tokens), 100, 96, {0: [4, 5, 6]},
                       {(0, 0): (hf[0].key, hf[0].value), (0, 2): (hf[0].key, hf[0].value)})
-    mon = Monitor(VllmAdapter(info, ref), SidecarConfig(dispatch="inline"), info=info)
+    mon = Monitor(VllmAdapter(info, ref), SidecarConfig(dispatch="inline",
+                                                        adapter_timeout_s=DETECTION_TIMEOUT_S),
+                  info=info)
     clean = mon.on_captured(*captured_hit(good))
     assert clean is not None and clean.findings == [] and len(clean.verified) == 2
     assert not clean.adapter_errors  # no later read is attempted (reread = False)

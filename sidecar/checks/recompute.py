@@ -20,9 +20,7 @@ import math
 
 import torch
 
-from sidecar.checks.base import Finding
 from sidecar.core.protocol import BlockKV
-from sidecar.signals import AnomalyKind
 
 _EPS = 1e-12
 
@@ -47,14 +45,8 @@ def normalized_error(cached: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def block_error(cached: BlockKV, reference: BlockKV) -> float:
+    """The block's error: the worse of K and V. The verifier compares it with the
+    calibrated tolerance and :func:`sidecar.checks.hybrid.explain` names the finding."""
     return max(normalized_error(cached.key, reference.key),
                normalized_error(cached.value, reference.value))
 
-
-def check_recompute(cached: BlockKV, reference: BlockKV, tolerance: float) -> list[Finding]:
-    err = block_error(cached, reference)
-    if err > tolerance:
-        ref = cached.ref
-        return [Finding(AnomalyKind.RECOMPUTE_MISMATCH, ref.group_id, ref.index,
-                        f"normalized error {err:.3g} > tolerance {tolerance:.3g}", err)]
-    return []

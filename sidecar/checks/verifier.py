@@ -366,7 +366,7 @@ class Verifier:
             _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
         except AdapterRefused:
             verdict.adapter_errors.append((op, "refused"))
-            _drop(verdict, DropReason.ADAPTER_TIMEOUT, at_stake)
+            _drop(verdict, DropReason.ADAPTER_REFUSED, at_stake)
         except Exception as exc:  # an adapter bug (AdapterExit too) is counted, never fatal
             log.warning("adapter %s failed: %s: %s", op, type(exc).__name__, exc)
             verdict.adapter_errors.append((op, "error"))

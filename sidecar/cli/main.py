@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("signals", help="list the exported signals",
                        description="List every signal kv-sidecar exports (the single source "
-                                   "of truth in sidecar/signals.py).")
+                                   "of truth in sidecar/signals/).")
     s.add_argument("--markdown", action="store_true", help="print the README's table")
 
     _add_testbed_parser(sub, "bench")

@@ -58,7 +58,7 @@ from sidecar.export.outlook import DetectionOutlook
 from sidecar.export.recovery import GroupSignals
 from sidecar.export.summary import p99, summarize
 from sidecar.protect.actions import Actions, ActionSettings
-from sidecar.signals import DropReason, Signal
+from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,14 @@ class Monitor(JournaledHooks):
 
     def __init__(self, adapter: Adapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None, sampler: Sampler | None = None,
-                 info: EngineInfo | None = None, extra_signals: Sequence[Signal] = ()) -> None:
+                 info: EngineInfo | None = None) -> None:
         self.config = c = config or SidecarConfig()
         c.validate()
         self.adapter = adapter
         self.guard = Guard(c.adapter_timeout_s)
         # describe() is the one call allowed to fail loudly: without it nothing can be checked.
         self.info = info or self.guard.call("describe", adapter.describe)
-        self.metrics = Metrics(self.info.engine, self.info.model, registry, extra_signals)
+        self.metrics = Metrics(self.info.engine, self.info.model, registry)
         self.sampler: Sampler = sampler or UniformSampler(
             c.sample_every, c.seed, burst=Burst(c.burst_hits, c.burst_every))
         # Policies that learn from cache events (boundary-biased) get them forwarded.
@@ -171,9 +171,9 @@ class Monitor(JournaledHooks):
             m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
         for hook in HOOKS:
             m.inc(S.HOOK_ERRORS, 0, hook=hook)
-        for op in ("read", "recompute", "allocator", "block_tables", "capture"):
-            for why in ("error", "timeout"):
-                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why)
+        for op, reasons in S.ADAPTER_ERROR_REASONS.items():
+            for why in reasons:
+                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why.value)
         for name, value in dataclasses.asdict(S.THRESHOLDS).items():
             m.gauge(S.THRESHOLD, threshold=name).set(value)
         self.verifier.calibration.publish(m, self.verifier.reference_kind)

@@ -131,12 +131,11 @@ class Metrics:
     """
 
     def __init__(self, engine: str, model: str,
-                 registry: CollectorRegistry | None = None,
-                 extra_signals: Iterable[Signal] = ()) -> None:
+                 registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.base = {"engine": engine, "model": model}
         self.instruments = Instruments((), self.base)
-        self.register((*S.core_signals(), *extra_signals))
+        self.register(S.core_signals())
         self.registry.register(InstrumentsCollector(self.instruments))
         self.allocator = AllocatorCollector(dict(self.base))
         self.registry.register(self.allocator)

@@ -25,12 +25,13 @@ def test_committed_files_match_the_generator() -> None:
 
 
 def test_a_threshold_moved_in_signals_without_regenerating_is_stale(tmp_path: Path) -> None:
-    """The mutation the issue names: edit sidecar/signals.py in a copy of the repo, do not
-    regenerate, and the check fails naming the PrometheusRule and the mixin."""
+    """The mutation the issue names: edit the thresholds (sidecar/signals/kinds.py) in a copy
+    of the repo, do not regenerate, and the check fails naming the PrometheusRule and the
+    mixin."""
     for part in ("sidecar", "alerts", "dashboards", "deploy", "mixin"):
         shutil.copytree(REPO / part, tmp_path / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    signals = tmp_path / "sidecar" / "signals.py"
+    signals = tmp_path / "sidecar" / "signals" / "kinds.py"
     text = signals.read_text()
     moved = text.replace("usage_ratio: float = 0.85", "usage_ratio: float = 0.9")
     assert moved != text, "the usage threshold moved in signals.py: update this test"

@@ -25,8 +25,9 @@ class LMCacheMonitor(Monitor):
     def __init__(self, adapter: LMCacheAdapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None,
                  sampler: Sampler | None = None) -> None:
-        super().__init__(adapter, config, registry, sampler, extra_signals=S.LMCACHE_SIGNALS)
+        super().__init__(adapter, config, registry, sampler)
         m = self.metrics
+        m.register(S.ADAPTER_SIGNALS["lmcache"])  # the one path every adapter's set takes
         for tier in LMCacheTier:
             m.inc(S.LMCACHE_VERIFIED_CHUNKS, 0, tier=tier.value)
             for outcome in RetrieveOutcome:

@@ -1,4 +1,5 @@
-"""vLLM's paged KV layout on the CPU backend, and its conversion to the sidecar's.
+"""vLLM's paged KV layouts, the CPU backend's and the GPU backends' (FlashAttention,
+FlashInfer), and their conversion to the sidecar's.
 
 vLLM 0.32's CPU attention backend allocates one tensor per layer of shape
 ``(num_blocks, kv_heads, block_size, 2 * head_dim)``: per head, the first ``block_size *

@@ -29,7 +29,8 @@ never an out-of-window or pre-boundary null block) and reads a recurrent group's
 states (:mod:`.state_layout`).
 
 vLLM's connector API is marked experimental and the KV layout is backend-specific, so the
-probe pins the vLLM version it was tested with and refuses to start on any other.
+probe runs only on the vLLM versions CI covers (:data:`sidecar.adapters.vllm.version.
+SUPPORTED_VLLM`, a closed range, each end tested) and refuses to start on any other.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ such that group 1 also has every block :func:`sidecar.checks.group_coverage.requ
 for
 it (the window, or the last boundary's state). As a sequence advances, blocks that fell out
 of group 1's coverage are released (still indexed, evictable) and replaced by the null block
-in its table. The request lifecycle (lookup, allocate, prefill, decode, release) and the
-event stream are the plain engine's (:mod:`.engine`); faults hook it through the hybrid
+in its table. The request loop (lookup, allocate, prefill, decode, release) is the one both
+engines share (:class:`~kvtestbed.engines.scheduler.BatchScheduler`) and the event stream is
+the plain engine's (:mod:`.engine`); faults hook it through the hybrid
 hooks of :class:`~kvtestbed.engines.faults.Fault`.
 """
 
