@@ -679,6 +679,19 @@ OUTLOOK_SIGNALS: tuple[Signal, ...] = (
 )
 ALL_SIGNALS = (*ALL_SIGNALS, *OUTLOOK_SIGNALS)
 # --- end of the detection outlook block.
+# --- adapter capabilities (sidecar/core/attach.py, issue 20): what conformance found when the
+# Monitor attached. Bounded label: capability (the names in sidecar.core.capabilities).
+CAPABILITY_PROBLEMS = _s("capability_problems", G,
+                         "Problems the conformance check found in an optional adapter or "
+                         "sampler capability when the Monitor attached (a wrong signature, a "
+                         "value outside the declared ones, a misspelt name), by capability; "
+                         "a capability with a problem is refused and the Monitor runs "
+                         "without it.", ("capability",))
+CAPABILITY_IN_USE = _s("capability_in_use", G,
+                       "1 for each optional capability in force (offered and conforming), "
+                       "0 for one not offered or refused.", ("capability",))
+ALL_SIGNALS = (*ALL_SIGNALS, CAPABILITY_PROBLEMS, CAPABILITY_IN_USE)
+# --- end of the adapter capabilities block.
 
 # --- alert names code reacts to (the cache-bypass guard's webhook); alerts/ names its rules
 # with these, so a renamed alert cannot leave the guard matching a name no rule fires.

@@ -20,12 +20,8 @@ from typing import Any
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, PollTrigger
 from sidecar.core import hook_input as HI
-from sidecar.core.protocol import (
-    Adapter,
-    AllocatorIntrospection,
-    AllocatorState,
-    BlockTableSnapshot,
-)
+from sidecar.core.capabilities import AllocatorIntrospection
+from sidecar.core.protocol import Adapter, AllocatorState, BlockTableSnapshot
 from sidecar.core.time_limits import Guard
 from sidecar.export.metrics import Metrics
 
@@ -35,14 +31,16 @@ log = logging.getLogger(__name__)
 class AllocatorPoller:
     def __init__(self, adapter: Adapter, metrics: Metrics, health: AllocatorHealth,
                  requests_done: Callable[[], int], timeout_s: float, every_s: float,
-                 min_interval_s: float) -> None:
+                 min_interval_s: float,
+                 introspection: AllocatorIntrospection | None = None) -> None:
         self.adapter = adapter
         self.metrics = metrics
         self.health = health
         self.guard = Guard(timeout_s)
         self.every_s = every_s
         self._requests_done = requests_done
-        self._introspection = adapter if isinstance(adapter, AllocatorIntrospection) else None
+        # The adapter's block-level state, as resolved at attach (sidecar.core.attach).
+        self._introspection = introspection
         self._lock = threading.Lock()
         self.trigger: PollTrigger | None = None
         if min_interval_s >= 0:

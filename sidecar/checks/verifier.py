@@ -41,8 +41,9 @@ from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
 from sidecar.checks.structure import check_structure
-from sidecar.checks.tolerance import REFERENCE_KINDS
+from sidecar.core import attach
 from sidecar.core.admission import Gate
+from sidecar.core.attach import Capabilities
 from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.signals import AnomalyKind, DropReason
@@ -121,12 +122,16 @@ class Verifier:
                  budget: TokenBucket, recompute: bool = True,
                  epoch_of: Callable[[int, int], int] | None = None,
                  calibration: Calibration | None = None,
-                 max_recomputes: int = 0, max_recoveries: int = 0) -> None:
+                 max_recomputes: int = 0, max_recoveries: int = 0,
+                 capabilities: Capabilities | None = None) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
+        # Optional capabilities as resolved at attach (sidecar.core.attach); resolved here,
+        # quietly, for a verifier built on its own (tests, benchmarks).
+        self.capabilities = caps = capabilities or attach.resolve(adapter, quiet=True)
         # An adapter that can only copy KV at match time (an out-of-process probe) says so
         # with ``reread = False``: captured blocks are then judged without a later read.
-        self.reread = bool(getattr(adapter, "reread", True))
+        self.reread = caps.reread
         self.info = info
         self.guard = guard
         self.budget = budget
@@ -142,8 +147,7 @@ class Verifier:
         """What the adapter's recompute is: "independent" (another implementation, the
         default) or "engine" (the engine's own kernels); read per call, since an adapter
         may swap its reference at run time."""
-        kind = getattr(self.adapter, "reference_kind", None)
-        return kind if kind in REFERENCE_KINDS else "independent"  # a bounded label
+        return self.capabilities.reference_kind()  # a bounded label (one of REFERENCE_KINDS)
 
     @property
     def tolerance(self) -> float:

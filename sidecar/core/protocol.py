@@ -11,11 +11,11 @@ The core never imports an engine. An engine (or an adapter wrapping it) does two
   (``read``), what KV a from-scratch computation gives for the same blocks (``recompute``),
   and the allocator's state (``allocator``).
 
-Two optional capabilities extend this, for allocator health (:mod:`sidecar.allocator`): an
-adapter may also be an :class:`AllocatorIntrospection` (block-level snapshots of its pool,
-:class:`BlockTableSnapshot`, on which the sidecar checks the allocator's invariants), and an
-engine may also send the :class:`BlockLifecycleSink` events ``on_allocate``/``on_release``
-(the block lifecycle log). Engines that offer neither still get every other signal.
+Every optional capability (``capture``, ``reread``, ``reference_kind``, ``busy``,
+``block_tables``, ``scrub_hit``, ``evict``, a sampler's ``observe_*``, the sink's
+``on_allocate``/``on_release``/``on_tier``/``on_captured``) is declared, one Protocol each, in
+:mod:`sidecar.core.capabilities`, and resolved once when a Monitor attaches
+(:mod:`sidecar.core.attach`). An adapter that offers none still gets every other signal.
 
 Cache groups are in the protocol from the start: a plain model has one full-attention group,
 a hybrid model (sliding window + full, recurrent state, offloaded tier...) has several, and a
@@ -325,19 +325,6 @@ class Adapter(Protocol):
         ...
 
 
-@runtime_checkable
-class AllocatorIntrospection(Protocol):
-    """Optional adapter capability: the allocator's block-level state, so the sidecar can
-    check its invariants (a free block still indexed, a ref count below its holders, a
-    leak, a double free). Checked with ``isinstance``; an adapter without it still gets
-    the count-level allocator signals from ``Adapter.allocator()``. Called off the
-    engine's hot path, under the adapter time limit."""
-
-    def block_tables(self) -> Sequence[BlockTableSnapshot]:
-        """One snapshot per cache group with a block pool, each taken atomically."""
-        ...
-
-
 class EventSink(Protocol):
     """What engines call. Implementations must be O(1) and must never raise."""
 
@@ -348,60 +335,3 @@ class EventSink(Protocol):
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None: ...
 
     def on_request_done(self, latency_seconds: float) -> None: ...
-
-
-class BlockLifecycleSink(Protocol):
-    """Optional events an engine may send besides :class:`EventSink`'s, for the sidecar's
-    block lifecycle log (allocate / store / hit / free / evict). An engine calls them only
-    where its sink has them (``getattr(sink, "on_allocate", None)``); like every hook they
-    must be O(1) per block and never raise. ``on_store`` (store), ``on_lookup`` (hit) and
-    ``on_free`` (evict: blocks that left the index) complete the lifecycle."""
-
-    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
-                    generations: Sequence[int]) -> None:
-        """Fresh blocks handed to ``seq_id``, with their new generations."""
-        ...
-
-    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
-        """``seq_id`` dropped its references to ``block_ids`` (its blocks were freed)."""
-        ...
-
-
-class TierSink(Protocol):
-    """Optional event an engine with an offload tier sends (``getattr(sink, "on_tier",
-    None)``), O(1) and never raising like every hook: an entry of ``group_id`` moved to
-    ``state`` (:class:`TierState`). A load (recovery) ends in ``loaded`` or ``failed``,
-    with ``seconds`` = how long it took, for the recovery signals."""
-
-    def on_tier(self, group_id: int, block_id: int, state: TierState,
-                seconds: float | None = None) -> None: ...
-
-
-# --- optional capabilities of the background scrub and the protective actions
-# (sidecar/checks/scrub.py, sidecar/protect/actions.py). Checked with isinstance; an adapter
-# without them
-# still gets every other signal (the scrub then counts its candidates as unsupported, a
-# quarantine as unsupported). Called off the engine's hot path, under the time limit.
-@runtime_checkable
-class ScrubSource(Protocol):
-    """Optional adapter capability: rebuild a :class:`Hit` for a block nobody is hitting,
-    so the background scrub can verify it like a sampled hit."""
-
-    def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
-        """A hit ending with ``block_id`` (its full prefix tokens, the block ids and
-        generations of the prefix, the key fields it was stored under), or ``None`` when
-        the block is not indexed any more, is held by a live sequence now (being hit: not
-        the scrub's business), or its prefix cannot be rebuilt. Must take the engine's lock
-        only for bookkeeping, never for a forward."""
-        ...
-
-
-@runtime_checkable
-class Evictor(Protocol):
-    """Optional adapter capability (quarantine): drop blocks from the engine's prefix
-    index so later requests recompute them instead of hitting them. Blocks held by live
-    sequences stay where they are for them; only the index entry goes."""
-
-    def evict(self, group_id: int, block_ids: Sequence[int]) -> int:
-        """Remove ``block_ids`` from the index; returns how many were removed."""
-        ...
