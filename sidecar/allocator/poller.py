@@ -74,12 +74,18 @@ class AllocatorPoller:
                 # requests_done read after the snapshot: the index is never earlier than
                 # the state it describes.
                 self.health.observe(state, tables, self._requests_done(),
-                                    time.perf_counter() - started)
+                                    time.perf_counter() - started, retake=self._retake)
             except Exception:
                 log.exception("allocator health check failed (poll skipped)")
             self.polls += 1
             self.last_poll = time.time()
             return state
+
+    def _retake(self) -> Sequence[BlockTableSnapshot] | None:
+        """A second snapshot, to confirm what the first one showed broken."""
+        if self._introspection is None:
+            return None
+        return self._call("block_tables", self._introspection.block_tables)
 
     def _scheduled(self) -> None:
         """The schedule's poll: skipped while another poll runs (that one is as fresh), so
