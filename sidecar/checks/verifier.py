@@ -247,9 +247,14 @@ class Verifier:
             else:
                 passed.append(block)
 
-        if cached is not None and len(got) < len(asked):  # asked for, never returned
+        missing = [r for r in to_read if r not in got] if cached is not None else []
+        # Left out because it is gone (Adapter.read's contract): freed or stored again
+        # since the match, as the journal saw it: dropped like a block reused before the read.
+        gone = [r for r in missing if self._epoch_moved(sample, r)]
+        _drop(verdict, DropReason.EVICTED_BEFORE_READ, len(gone))
+        if len(gone) < len(missing):  # asked for, never returned, still there
             verdict.adapter_errors.append(("read", "missing_block"))
-            if any(r not in got and r not in captured for r in asked):  # nothing to judge
+            if any(r not in gone and r not in captured for r in missing):  # nothing to judge
                 _drop(verdict, DropReason.ADAPTER_ERROR)
         verdict.verified.extend(r for r in refs if r in condemned)
         if not passed:
@@ -263,11 +268,15 @@ class Verifier:
         group = self._groups.get(ref.group_id)
         return group is not None and ref.block_id in group.null_block_ids
 
+    def _epoch_moved(self, sample: Sample, ref: BlockRef) -> bool:
+        """Whether the journal saw the block freed or stored again since the match."""
+        return self.epoch_of is not None and ref in sample.epochs \
+            and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]
+
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the
         sidecar's epoch moved, or the engine's generation stamp did."""
-        if self.epoch_of is not None and ref in sample.epochs \
-                and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]:
+        if self._epoch_moved(sample, ref):
             return True
         at_hit = _generation_at_hit(sample.hit, ref)
         return block.generation is not None and at_hit is not None \

@@ -75,6 +75,9 @@ class CacheGroup:
       the state at its last boundary. Its :class:`BlockKV` carries the state in ``key``
       (``(layers, *state_shape)``) and a second state component, or an empty tensor, in
       ``value``; recompute returns the state a fresh prefill reaches at the same boundary.
+      Missing state: an engine without the state at the hit's last boundary lists fewer
+      blocks (the list ends before it: ``missing_group_state``); a null id there is read as
+      ``null_block_read``. Earlier boundaries are never needed, so null ids before it are fine.
     """
 
     group_id: int
@@ -156,7 +159,9 @@ class Hit:
     generations: Mapping[int, Sequence[int]] = field(default_factory=dict)
     key_fields: Mapping[str, str] = field(default_factory=dict)
     # group id -> the offload-tier state of each block at match time, where the block came
-    # through a tier (absent = device-resident). Served while not resident/loaded = anomaly.
+    # through a tier. Absent = device-resident, per block: a group not listed, a list that
+    # ends before the block, or ``None`` at its position (no padding with RESIDENT).
+    # Served while not resident/loaded = anomaly.
     tier_states: Mapping[int, Sequence[TierState]] = field(default_factory=dict)
 
 
@@ -312,7 +317,14 @@ class Adapter(Protocol):
         ...
 
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
-        """The KV the cache holds now for ``refs``, with the generation seen while reading."""
+        """The KV the cache holds now for ``refs``, with the generation seen while reading.
+
+        A block that is gone (freed, evicted, reused since the match): leave its ref out,
+        or return whatever its slots hold now. Either way the sidecar drops it as
+        ``evicted_before_read`` when it saw the block freed or stored again since the match
+        (``on_free``/``on_store``, or a changed generation); a ref left out that it did not
+        see go is a ``missing_block`` adapter error. Raise only when nothing can be read:
+        that drops the whole sample."""
         ...
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
@@ -326,7 +338,15 @@ class Adapter(Protocol):
 
 
 class EventSink(Protocol):
-    """What engines call. Implementations must be O(1) and must never raise."""
+    """What engines call. Implementations must be O(1) and must never raise.
+
+    Ordering the engine must keep: ``on_lookup`` for a hit *before* it gathers the hit's KV
+    for the forward (a capture then copies what the request is served), and ``on_store``
+    after the block's KV is written. Hooks may be called with the engine's lock held or
+    after releasing it; the sidecar never calls back into the engine from a hook except
+    through ``capture`` (on the same thread, so an engine lock held around ``on_lookup``
+    must be re-entrant if ``capture`` takes it). Snapshots of block tables are confirmed on
+    a second snapshot, so hooks that lag the lock do not read as leaks."""
 
     def on_lookup(self, lookup: Lookup) -> None: ...
 
