@@ -47,5 +47,8 @@ class SlotBlocks:
         for b in block_ids:
             self._runs.pop(b, None)
 
+    def __getitem__(self, block_id: int) -> tuple[int, ...]:
+        return self._runs[block_id]
+
     def __len__(self) -> int:
         return len(self._runs)

@@ -251,7 +251,9 @@ class Verifier:
         # Left out because it is gone (Adapter.read's contract): freed or stored again
         # since the match, as the journal saw it: dropped like a block reused before the read.
         gone = [r for r in missing if self._epoch_moved(sample, r)]
-        _drop(verdict, DropReason.EVICTED_BEFORE_READ, len(gone))
+        for r in gone:
+            _drop(verdict, DropReason.REUSED_AFTER_SERVING if r in captured
+                  else DropReason.EVICTED_BEFORE_READ)
         if len(gone) < len(missing):  # asked for, never returned, still there
             verdict.adapter_errors.append(("read", "missing_block"))
             if any(r not in gone and r not in captured for r in missing):  # nothing to judge
