@@ -87,7 +87,7 @@ class AllocatorIntrospection(Protocol):
     the count-level signals of ``Adapter.allocator()`` remain. Snapshot consistency: each
     snapshot is taken under the engine's lock; where the engine changes ref counts under its
     lock but calls hooks after releasing it, a violation is reported only when a second
-    snapshot confirms it (:mod:`sidecar.allocator.invariants`)."""
+    snapshot confirms it (:mod:`sidecar.allocator.poll_health`)."""
 
     def block_tables(self) -> Sequence[BlockTableSnapshot]:
         """One snapshot per cache group with a block pool, each taken atomically."""
@@ -136,8 +136,8 @@ class ObservesReleases(Protocol):
 # ---------------------------------------------------------------- sink capabilities
 class BlockLifecycleSink(Protocol):
     """Optional events an engine may send besides :class:`EventSink`'s, for the block
-    lifecycle log (allocate / store / hit / free / evict). The Monitor has them; an engine
-    written for other sinks asks :func:`sink_offers`. O(1) per block, never raising."""
+    lifecycle log (allocate / store / hit / free / evict). The Monitor has them (a test
+    holds it to these signatures). O(1) per block, never raising."""
 
     def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
                     generations: Sequence[int]) -> None:
@@ -176,10 +176,6 @@ class Capability:
     protocol: type
     values: tuple[object, ...] | None = None  # a value capability's allowed values
 
-    @property
-    def is_value(self) -> bool:
-        return self.values is not None
-
 
 CAPABILITIES: tuple[Capability, ...] = (
     Capability("capture", "adapter", Capture),
@@ -203,10 +199,3 @@ def declared(owner: str) -> tuple[Capability, ...]:
     """The capabilities an ``owner`` ("adapter", "sampler", "sink") may offer."""
     return tuple(c for c in CAPABILITIES if c.owner == owner)
 
-
-def sink_offers(sink: object, name: str) -> bool:
-    """Whether an event sink takes the optional event ``name`` (an engine asks this once,
-    at start, instead of probing per event)."""
-    if name not in {c.name for c in declared("sink")}:
-        raise KeyError(f"{name!r} is not a declared sink capability")
-    return callable(getattr(sink, name, None))
