@@ -41,9 +41,8 @@ from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
 from sidecar.checks.structure import check_structure
-from sidecar.core import attach
 from sidecar.core.admission import Gate
-from sidecar.core.attach import Capabilities
+from sidecar.core.attach import Capabilities, resolve
 from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.signals import AnomalyKind, DropReason
@@ -126,11 +125,9 @@ class Verifier:
                  capabilities: Capabilities | None = None) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
-        # Optional capabilities as resolved at attach (sidecar.core.attach); resolved here,
-        # quietly, for a verifier built on its own (tests, benchmarks).
-        self.capabilities = caps = capabilities or attach.resolve(adapter, quiet=True)
-        # An adapter that can only copy KV at match time (an out-of-process probe) says so
-        # with ``reread = False``: captured blocks are then judged without a later read.
+        # As resolved at attach (sidecar.core.attach), or here for a verifier on its own.
+        self.capabilities = caps = capabilities or resolve(adapter, quiet=True)
+        # ``reread = False`` (an out-of-process probe): captures are judged without a read.
         self.reread = caps.reread
         self.info = info
         self.guard = guard
@@ -144,10 +141,9 @@ class Verifier:
 
     @property
     def reference_kind(self) -> str:
-        """What the adapter's recompute is: "independent" (another implementation, the
-        default) or "engine" (the engine's own kernels); read per call, since an adapter
-        may swap its reference at run time."""
-        return self.capabilities.reference_kind()  # a bounded label (one of REFERENCE_KINDS)
+        """What the adapter's recompute is (sidecar.core.capabilities.REFERENCE_KINDS: a
+        bounded label), read per call: an adapter may swap its reference at run time."""
+        return self.capabilities.reference_kind()
 
     @property
     def tolerance(self) -> float:
@@ -248,8 +244,7 @@ class Verifier:
                 passed.append(block)
 
         missing = [r for r in to_read if r not in got] if cached is not None else []
-        # Left out because it is gone (Adapter.read's contract): freed or stored again
-        # since the match, as the journal saw it: dropped like a block reused before the read.
+        # Left out because it is gone (Adapter.read's contract), as the journal saw it.
         gone = [r for r in missing if self._epoch_moved(sample, r)]
         for r in gone:
             _drop(verdict, DropReason.REUSED_AFTER_SERVING if r in captured
@@ -278,11 +273,9 @@ class Verifier:
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the
         sidecar's epoch moved, or the engine's generation stamp did."""
-        if self._epoch_moved(sample, ref):
-            return True
         at_hit = _generation_at_hit(sample.hit, ref)
-        return block.generation is not None and at_hit is not None \
-            and block.generation != at_hit
+        return self._epoch_moved(sample, ref) or (
+            block.generation is not None and at_hit is not None and block.generation != at_hit)
 
     def _compare(self, hit: Hit, blocks: Sequence[BlockKV], verdict: Verdict) -> None:
         cost = (max(b.ref.index for b in blocks) + 1) * self.info.block_size
