@@ -1,42 +1,35 @@
-"""kv-sidecar adapter for the radix engine, written against sidecar.core.protocol only.
+"""kv-sidecar adapter for the radix engine, written against the public protocol only.
 
-A *block* is a block_size-aligned run of a path's token positions (tokens ``i*bs`` to
-``(i+1)*bs`` of a prefix); its id is the slot holding its LAST token. Not the first: two
-paths that part inside a block share its first slot but not its last, and a slot belongs
-to one node at one position, so the last slot names the block's whole token prefix. The
-run may span two nodes and its slots need not be contiguous: the adapter remembers each
-id's slots (bounded: ids are slot indices). Only full blocks are stored; a hit's partial last block
-is served but never verified. No generation stamps: the Monitor's epochs see evictions.
+What the protocol now gives it (issue 20): block names for a slot engine
+(:class:`sidecar.adapters.slot_blocks.SlotBlocks`: a block is a block_size-aligned run of a
+path's slots, named by its LAST slot, remembered at hit time as well as at store time, since
+a hit can precede the store); documented ``read`` semantics (a block that is gone may be left
+out or read as its slots are now: either way the Monitor drops it as evicted, no adapter
+error); ``capture`` as a
+declared, conformance-checked capability (:mod:`sidecar.core.capabilities`, called inside
+``on_lookup`` before the prefill gathers the slots: this engine's lock is re-entrant); and
+block-table snapshots confirmed on a second snapshot, so lock refs changed under the
+engine's lock before the hooks run read as no leak. Only full blocks are stored; a hit's
+partial last block is served but never verified. Its own hook code is guarded by
+:func:`sidecar.adapters.hook_guard.never_raises`. No generation stamps: the Monitor's
+epochs see evictions.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import sidecar.core.protocol as kv
+from sidecar.adapters.hook_guard import never_raises
+from sidecar.adapters.slot_blocks import SlotBlocks
 from sidecar.checks.keys import prefix_digest
 from tests.radix_engine import RadixEngine, Running
-
-
-def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
-    """Engine-side translation must not raise into the engine; the protocol offers no
-    guard for it (nor a counter to report it to), so errors are counted here and logged."""
-    def guarded(self: RadixAdapter, *args: Any) -> None:
-        try:
-            hook(self, *args)
-        except Exception:
-            self.hook_errors += 1
-            logging.getLogger(__name__).exception("radix adapter hook %s failed", hook.__name__)
-    return guarded
 
 
 class RadixAdapter:
     def __init__(self, engine: RadixEngine) -> None:
         self.engine, self.bs = engine, engine.block_size
-        self.runs: dict[int, tuple[int, ...]] = {}  # block id -> its slots
-        self.hook_errors = 0
+        self.runs, self.hook_errors = SlotBlocks(self.bs), 0  # block id (last slot) -> slots
         mc = engine.model.config
         group = kv.CacheGroup(0, kv.GroupKind.FULL_ATTENTION, tuple(range(mc.num_layers)),
                               name="full")
@@ -53,7 +46,7 @@ class RadixAdapter:
     @never_raises
     def matched(self, run: Running, matched: int) -> None:
         n, req, bs = matched // self.bs, run.request, self.bs
-        blocks = {0: [run.matched[(i + 1) * bs - 1] for i in range(n)]}
+        blocks = {0: self.runs.name_all(run.matched[:n * bs])}
         hit = kv.Hit(req.tokens, n * bs, blocks, key_fields=self._fields(run)) if matched else None
         self.sink.on_lookup(kv.Lookup(len(req.tokens), matched, hit, run.rid))
 
@@ -61,16 +54,15 @@ class RadixAdapter:
     def inserted(self, run: Running, slots: list[int], cached: int) -> None:
         tokens, fields, bs = run.tokens, self._fields(run), self.bs
         for lo in range(cached // bs * bs, len(tokens) // bs * bs, bs):
-            block_id = slots[lo + bs - 1]
-            self.runs[block_id] = tuple(slots[lo:lo + bs])
-            self.sink.on_store(kv.StoredBlock(0, block_id, 0, tokens[lo:lo + bs], lo, fields,
+            self.sink.on_store(kv.StoredBlock(0, self.runs.name(slots, lo), 0,
+                                              tokens[lo:lo + bs], lo, fields,
                                               prefix_digest=prefix_digest(tokens[:lo], bs)))
 
     @never_raises
     def evicted(self, slots: list[int], start: int) -> None:
         bs = self.bs  # the full blocks whose last token is in the evicted leaf
         ids = [slots[lo + bs - 1] for lo in range(start // bs * bs, len(slots) // bs * bs, bs)]
-        if ids:
+        if ids:  # runs kept: a read of a gone block gets its slots' bytes, epochs drop it
             self.sink.on_free(0, ids)
 
     @never_raises
@@ -85,18 +77,18 @@ class RadixAdapter:
         return self.info
 
     def read(self, hit: kv.Hit, refs: Sequence[kv.BlockRef]) -> list[kv.BlockKV]:
-        with self.engine.lock:
-            return [self._block(ref) for ref in refs]
+        """The refs' slots as the pool holds them now; a block never named is left out
+        (Adapter.read's contract)."""
+        out, e = [], self.engine
+        with e.lock:
+            for ref in refs:
+                if ref.group_id == 0 and (slots := self.runs.slots(ref.block_id)):
+                    k, v = e.pool_k[list(slots)], e.pool_v[list(slots)]
+                    out.append(kv.BlockKV(ref, k.permute(1, 2, 0, 3).contiguous(),
+                                          v.permute(1, 2, 0, 3).contiguous()))
+        return out
 
-    def _block(self, ref: kv.BlockRef) -> kv.BlockKV:
-        slots = self.runs.get(ref.block_id)
-        if ref.group_id != 0 or slots is None:
-            raise kv.AdapterError(f"no slot run is known for block {ref.block_id}")
-        k, v = self.engine.pool_k[list(slots)], self.engine.pool_v[list(slots)]
-        return kv.BlockKV(ref, k.permute(1, 2, 0, 3).contiguous(),
-                          v.permute(1, 2, 0, 3).contiguous())
-
-    capture = read  # called in on_lookup, before the prefill gathers the slots
+    capture = read  # sidecar.core.capabilities.Capture: in on_lookup, before the prefill
 
     def recompute(self, hit: kv.Hit, refs: Sequence[kv.BlockRef]) -> list[kv.BlockKV]:
         bs, fields = self.bs, hit.key_fields
@@ -126,7 +118,7 @@ class RadixAdapter:
         e = self.engine
         with e.lock:
             owned = e.tree_slots()
-            refs, hashes = [0] * e.num_slots, [None] * e.num_slots  # type: list[int], list[Any]
+            refs, hashes = [0] * e.num_slots, [None] * e.num_slots  # type: list[int], list[object]
             for node, s, _ in owned:
                 refs[s], hashes[s] = refs[s] + node.lock_ref, e.tags[s]
             for r in e.running.values():

@@ -113,8 +113,10 @@ def test_the_adapter_is_small_and_uses_the_public_protocol_only() -> None:
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     sidecar_modules = {m for m in imported if m.startswith("sidecar")}
-    # The protocol, and the prefix digest its StoredBlock docstring names.
-    assert sidecar_modules == {"sidecar.core.protocol", "sidecar.checks.keys"}
+    # The protocol, the prefix digest its StoredBlock docstring names, and the slot-engine
+    # block names it documents (issue 20).
+    assert sidecar_modules == {"sidecar.core.protocol", "sidecar.checks.keys",
+                               "sidecar.adapters.slot_blocks", "sidecar.adapters.hook_guard"}
 
 
 class _Recorder:

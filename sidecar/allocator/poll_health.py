@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sidecar import signals as S
@@ -61,6 +61,22 @@ def _last_op(event: dict[str, Any], block_id: int | None) -> str:
     return text
 
 
+def _where(v: Violation) -> tuple[str, int, int | None]:
+    return v.kind.value, v.group_id, v.block_id
+
+
+def _confirmed(tables: Sequence[BlockTableSnapshot], found: list[Violation],
+               retake: Callable[[], Sequence[BlockTableSnapshot] | None]
+               ) -> tuple[Sequence[BlockTableSnapshot], list[Violation]]:
+    """The second snapshot and the violations both snapshots show; none when it cannot be
+    taken (the next poll checks again)."""
+    again = retake()
+    if again is None:
+        return tables, []
+    first = {_where(v) for v in found}
+    return again, [v for snap in again for v in check_snapshot(snap) if _where(v) in first]
+
+
 class AllocatorHealth:
     def __init__(self, metrics: Metrics, evidence: EvidenceLog, lifecycle: LifecycleLog,
                  leak: LeakTrend, engine: str = "", model: str = "") -> None:
@@ -87,10 +103,15 @@ class AllocatorHealth:
     # ------------------------------------------------------------------ polls
     def observe(self, state: AllocatorState | None,
                 tables: Sequence[BlockTableSnapshot] | None, request_index: int,
-                snapshot_seconds: float = 0.0) -> list[Violation]:
+                snapshot_seconds: float = 0.0,
+                retake: Callable[[], Sequence[BlockTableSnapshot] | None] | None = None,
+                ) -> list[Violation]:
         """One poll: ``tables`` is ``None`` where the adapter offers no block tables
         (``snapshot_seconds``: what taking them cost). Returns the violations first seen
-        at this poll."""
+        at this poll. With ``retake`` (the poller's), a violation in ``tables`` counts only
+        when a second snapshot shows it again (same kind, group and block): an engine that
+        changes ref counts under its lock but calls its hooks after releasing it leaves a
+        snapshot between the two, which must not read as a leak."""
         new: list[Violation] = []
         unheld: int | None = None
         if state is not None:
@@ -103,9 +124,9 @@ class AllocatorHealth:
             unheld = unheld_from_state(state)
         if tables is not None:
             started = time.perf_counter()
-            found: list[Violation] = []
-            for snap in tables:
-                found.extend(check_snapshot(snap))
+            found = [v for snap in tables for v in check_snapshot(snap)]
+            if found and retake is not None:
+                tables, found = _confirmed(tables, found, retake)
             new += self._fresh("tables", found)
             for snap in tables:
                 new += self._double_frees_since_last(snap)

@@ -20,12 +20,8 @@ from typing import Any
 from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, PollTrigger
 from sidecar.core import hook_input as HI
-from sidecar.core.protocol import (
-    Adapter,
-    AllocatorIntrospection,
-    AllocatorState,
-    BlockTableSnapshot,
-)
+from sidecar.core.capabilities import AllocatorIntrospection
+from sidecar.core.protocol import Adapter, AllocatorState, BlockTableSnapshot
 from sidecar.core.time_limits import Guard
 from sidecar.export.metrics import Metrics
 
@@ -35,14 +31,16 @@ log = logging.getLogger(__name__)
 class AllocatorPoller:
     def __init__(self, adapter: Adapter, metrics: Metrics, health: AllocatorHealth,
                  requests_done: Callable[[], int], timeout_s: float, every_s: float,
-                 min_interval_s: float) -> None:
+                 min_interval_s: float,
+                 introspection: AllocatorIntrospection | None = None) -> None:
         self.adapter = adapter
         self.metrics = metrics
         self.health = health
         self.guard = Guard(timeout_s)
         self.every_s = every_s
         self._requests_done = requests_done
-        self._introspection = adapter if isinstance(adapter, AllocatorIntrospection) else None
+        # The adapter's block-level state, as resolved at attach (sidecar.core.attach).
+        self._introspection = introspection
         self._lock = threading.Lock()
         self.trigger: PollTrigger | None = None
         if min_interval_s >= 0:
@@ -76,12 +74,18 @@ class AllocatorPoller:
                 # requests_done read after the snapshot: the index is never earlier than
                 # the state it describes.
                 self.health.observe(state, tables, self._requests_done(),
-                                    time.perf_counter() - started)
+                                    time.perf_counter() - started, retake=self._retake)
             except Exception:
                 log.exception("allocator health check failed (poll skipped)")
             self.polls += 1
             self.last_poll = time.time()
             return state
+
+    def _retake(self) -> Sequence[BlockTableSnapshot] | None:
+        """A second snapshot, to confirm what the first one showed broken."""
+        if self._introspection is None:
+            return None
+        return self._call("block_tables", self._introspection.block_tables)
 
     def _scheduled(self) -> None:
         """The schedule's poll: skipped while another poll runs (that one is as fresh), so

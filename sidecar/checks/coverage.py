@@ -73,7 +73,8 @@ def _group_coverage(hit: Hit, group: CacheGroup, need: range) -> list[Finding]:
             out.append(Finding(AnomalyKind.NULL_BLOCK_READ, group.group_id, i,
                                f"{what} maps position #{i} it must cover to null block "
                                f"{block_id} (padding, no KV)"))
-        elif i < len(states) and states[i] not in USABLE_TIER_STATES:
+        elif i < len(states) and states[i] is not None \
+                and states[i] not in USABLE_TIER_STATES:  # None/absent: device-resident
             out.append(Finding(AnomalyKind.TIER_NOT_LOADED, group.group_id, i,
                                f"{what} block {block_id} at #{i} was served from a tier "
                                f"entry in state {_state(states[i])}, not resident/loaded"))

@@ -47,7 +47,8 @@ from typing import Any
 from sidecar import signals as S
 from sidecar.checks.scrub_budget import RecomputeBudget
 from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
-from sidecar.core.protocol import BlockRef, Hit, ScrubSource, TierState
+from sidecar.core import attach
+from sidecar.core.protocol import BlockRef, Hit, TierState
 from sidecar.core.time_limits import Guard
 from sidecar.signals import ScrubSkip
 
@@ -96,13 +97,18 @@ class Scrubber:
         self._clock = clock
         cfg = monitor.config
         self.adapter = monitor.adapter
-        self._source = self.adapter if isinstance(self.adapter, ScrubSource) else None
+        # The Monitor's capabilities as resolved at attach; resolved here for another adapter.
+        caps = monitor.capabilities
+        self.capabilities = caps if caps.adapter is self.adapter else attach.resolve(
+            self.adapter, quiet=True)
+        self._source = self.capabilities.scrub_source
         self.guard = Guard(cfg.adapter_timeout_s)  # a hung scrub_hit wedges only the scrub
         # Its own verifier: same checks, tolerance and calibration, but not the hit path's
         # recompute budget (the scrub has its own) nor its guard.
         self.verifier = Verifier(self.adapter, monitor.info, self.guard, TokenBucket(0),
                                  recompute=cfg.recompute, epoch_of=self._epoch_now,
-                                 calibration=monitor.verifier.calibration)
+                                 calibration=monitor.verifier.calibration,
+                                 capabilities=self.capabilities)
         tick_s = settings.every_s + settings.jitter_s
         self.budget = RecomputeBudget(settings.tokens_per_minute,
                                       settings.tokens_per_minute / 60.0 * tick_s, clock)
@@ -175,9 +181,9 @@ class Scrubber:
     def _busy(self) -> bool:
         if self.monitor.dispatcher.pending > self.settings.max_pending:
             return True
-        busy = getattr(self.adapter, "busy", None)
+        busy = self.capabilities.busy
         try:
-            return bool(busy()) if callable(busy) else False
+            return bool(busy()) if busy is not None else False
         except Exception:
             return False
 

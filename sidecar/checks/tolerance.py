@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sidecar.core.capabilities import REFERENCE_KINDS  # declared with the capability
+
 TOLERANCES: dict[str, float] = {
     "float32": 1e-3,
     "float16": 5e-2,
@@ -110,7 +112,6 @@ def parse_override(text: str) -> tuple[str, float]:
     return key, tol
 
 
-REFERENCE_KINDS: tuple[str, ...] = ("independent", "engine")
 DEFAULT_CALIBRATION_SAMPLES = 64  # clean blocks learnt from by default (--calibrate)
 
 

@@ -41,8 +41,8 @@ from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
 from sidecar.checks.structure import check_structure
-from sidecar.checks.tolerance import REFERENCE_KINDS
 from sidecar.core.admission import Gate
+from sidecar.core.attach import Capabilities, resolve
 from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.signals import AnomalyKind, DropReason
@@ -121,12 +121,14 @@ class Verifier:
                  budget: TokenBucket, recompute: bool = True,
                  epoch_of: Callable[[int, int], int] | None = None,
                  calibration: Calibration | None = None,
-                 max_recomputes: int = 0, max_recoveries: int = 0) -> None:
+                 max_recomputes: int = 0, max_recoveries: int = 0,
+                 capabilities: Capabilities | None = None) -> None:
         self.adapter = adapter
         self.epoch_of = epoch_of
-        # An adapter that can only copy KV at match time (an out-of-process probe) says so
-        # with ``reread = False``: captured blocks are then judged without a later read.
-        self.reread = bool(getattr(adapter, "reread", True))
+        # As resolved at attach (sidecar.core.attach), or here for a verifier on its own.
+        self.capabilities = caps = capabilities or resolve(adapter, quiet=True)
+        # ``reread = False`` (an out-of-process probe): captures are judged without a read.
+        self.reread = caps.reread
         self.info = info
         self.guard = guard
         self.budget = budget
@@ -139,11 +141,9 @@ class Verifier:
 
     @property
     def reference_kind(self) -> str:
-        """What the adapter's recompute is: "independent" (another implementation, the
-        default) or "engine" (the engine's own kernels); read per call, since an adapter
-        may swap its reference at run time."""
-        kind = getattr(self.adapter, "reference_kind", None)
-        return kind if kind in REFERENCE_KINDS else "independent"  # a bounded label
+        """What the adapter's recompute is (sidecar.core.capabilities.REFERENCE_KINDS: a
+        bounded label), read per call: an adapter may swap its reference at run time."""
+        return self.capabilities.reference_kind()
 
     @property
     def tolerance(self) -> float:
@@ -243,9 +243,15 @@ class Verifier:
             else:
                 passed.append(block)
 
-        if cached is not None and len(got) < len(asked):  # asked for, never returned
+        missing = [r for r in to_read if r not in got] if cached is not None else []
+        # Left out because it is gone (Adapter.read's contract), as the journal saw it.
+        gone = [r for r in missing if self._epoch_moved(sample, r)]
+        for r in gone:
+            _drop(verdict, DropReason.REUSED_AFTER_SERVING if r in captured
+                  else DropReason.EVICTED_BEFORE_READ)
+        if len(gone) < len(missing):  # asked for, never returned, still there
             verdict.adapter_errors.append(("read", "missing_block"))
-            if any(r not in got and r not in captured for r in asked):  # nothing to judge
+            if any(r not in gone and r not in captured for r in missing):  # nothing to judge
                 _drop(verdict, DropReason.ADAPTER_ERROR)
         verdict.verified.extend(r for r in refs if r in condemned)
         if not passed:
@@ -259,15 +265,17 @@ class Verifier:
         group = self._groups.get(ref.group_id)
         return group is not None and ref.block_id in group.null_block_ids
 
+    def _epoch_moved(self, sample: Sample, ref: BlockRef) -> bool:
+        """Whether the journal saw the block freed or stored again since the match."""
+        return self.epoch_of is not None and ref in sample.epochs \
+            and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]
+
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the
         sidecar's epoch moved, or the engine's generation stamp did."""
-        if self.epoch_of is not None and ref in sample.epochs \
-                and self.epoch_of(ref.group_id, ref.block_id) != sample.epochs[ref]:
-            return True
         at_hit = _generation_at_hit(sample.hit, ref)
-        return block.generation is not None and at_hit is not None \
-            and block.generation != at_hit
+        return self._epoch_moved(sample, ref) or (
+            block.generation is not None and at_hit is not None and block.generation != at_hit)
 
     def _compare(self, hit: Hit, blocks: Sequence[BlockKV], verdict: Verdict) -> None:
         cost = (max(b.ref.index for b in blocks) + 1) * self.info.block_size

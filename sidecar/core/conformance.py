@@ -14,11 +14,13 @@ parameters with defaults, and may take ``*args``/``**kwargs`` instead of named o
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
-from sidecar.core.protocol import Adapter, AllocatorIntrospection
+from sidecar.core.capabilities import Capability, declared
+from sidecar.core.protocol import Adapter
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -128,14 +130,66 @@ def check_protocol(obj: Any, protocol: type) -> list[str]:
     return out
 
 
+def capability_problems(obj: Any, cap: Capability) -> list[str]:
+    """Why ``obj``'s ``cap`` member cannot be used as declared (empty: it can, or ``obj``
+    does not offer it). A value is read once and checked against the allowed values."""
+    if not hasattr(obj, cap.name):
+        return []
+    if cap.values is None:
+        return check_protocol(obj, cap.protocol)
+    if inspect.isclass(obj) and isinstance(inspect.getattr_static(obj, cap.name), property):
+        return []  # a property's value exists only on an instance
+    try:
+        value = getattr(obj, cap.name)
+    except Exception as exc:  # a property that raises
+        return [f"{cap.name!r} could not be read: {exc!r}"]
+    if type(value) is not type(cap.values[0]) or value not in cap.values:
+        return [f"{cap.name} = {value!r} is not one of "
+                f"{', '.join(repr(v) for v in cap.values)}"]
+    return []
+
+
+def misspelt(obj: Any, owner: str, known: set[str]) -> dict[str, str]:
+    """Public members of ``obj`` whose names look like a declared capability of ``owner``
+    without being one (or any other known member): member -> the capability it resembles."""
+    names = declared(owner)
+    capability_names = [c.name for c in names]
+    members = set(dir(obj)) | set(getattr(obj, "__dict__", {}))
+    out: dict[str, str] = {}
+    for member in sorted(members):
+        if member.startswith("_") or member in known or member in capability_names:
+            continue
+        close = difflib.get_close_matches(member, capability_names, n=1, cutoff=0.85)
+        if close:
+            out[member] = close[0]
+    return out
+
+
+def check_capabilities(obj: Any, owner: str, known: Collection[str] = ()
+                       ) -> dict[str, list[str]]:
+    """Problems per declared capability of ``owner`` that ``obj`` offers (wrong signature,
+    a value outside the declared ones) or seems to mean (a misspelt name): capability name
+    -> sentences naming it. Capabilities without a problem are left out."""
+    out: dict[str, list[str]] = {}
+    for cap in declared(owner):
+        problems = capability_problems(obj, cap)
+        if problems:
+            out.setdefault(cap.name, []).extend(
+                f"{cap.protocol.__name__}: {p}" for p in problems)
+    for member, meant in misspelt(obj, owner, set(known)).items():
+        out.setdefault(meant, []).append(
+            f"{member!r} is not a capability: did you mean {meant!r}? (ignored)")
+    return out
+
+
 def check_adapter(adapter: Any) -> list[str]:
-    """Problems of ``adapter`` against :class:`~sidecar.core.protocol.Adapter`, and against
-    :class:`~sidecar.core.protocol.AllocatorIntrospection` where it offers ``block_tables``
-    (an optional capability: absent is fine, present with a wrong signature is not).
-    Each problem names the protocol; an empty list means the adapter conforms."""
+    """Problems of ``adapter`` against :class:`~sidecar.core.protocol.Adapter` and against
+    every optional capability it offers or seems to mean (:data:`CAPABILITIES`: absent is
+    fine, present with a wrong signature or value, or misspelt, is not). Each problem names
+    the protocol; an empty list means the adapter conforms."""
     name = type(adapter).__name__ if not inspect.isclass(adapter) else adapter.__name__
     out = [f"{name}: Adapter: {p}" for p in check_protocol(adapter, Adapter)]
-    if hasattr(adapter, "block_tables"):
-        out += [f"{name}: AllocatorIntrospection: {p}"
-                for p in check_protocol(adapter, AllocatorIntrospection)]
+    known = set(protocol_members(Adapter))
+    for problems in check_capabilities(adapter, "adapter", known).values():
+        out += [f"{name}: {p}" for p in problems]
     return out

@@ -32,6 +32,7 @@ from sidecar.checks.calibration import Calibration, calibration_config
 from sidecar.checks.scrub import Scrubber, ScrubSettings
 from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
 from sidecar.config.settings import SidecarConfig
+from sidecar.core import attach
 from sidecar.core import hook_input as HI
 from sidecar.core.dispatch import Dispatcher
 from sidecar.core.hit_input import check_sampled_hit
@@ -84,10 +85,13 @@ class Monitor(JournaledHooks):
         self.metrics = Metrics(self.info.engine, self.info.model, registry)
         self.sampler: Sampler = sampler or UniformSampler(
             c.sample_every, c.seed, burst=Burst(c.burst_hits, c.burst_every))
-        # Policies that learn from cache events (boundary-biased) get them forwarded.
-        self._sampler_store = getattr(self.sampler, "observe_store", None)
-        self._sampler_free = getattr(self.sampler, "observe_free", None)
-        self._sampler_release = getattr(self.sampler, "observe_release", None)
+        # Optional capabilities resolved once, here (sidecar.core.attach): a wrongly shaped
+        # one is refused and logged now; policies that learn from cache events get them.
+        self.capabilities = caps = attach.resolve(adapter, self.sampler)
+        attach.export(caps, self.metrics)
+        self._sampler_store = caps.observe_store
+        self._sampler_free = caps.observe_free
+        self._sampler_release = caps.observe_release
         self.stored = StoreIndex(c.store_records)
         self.verifier = Verifier(adapter, self.info, self.guard,
                                  TokenBucket(c.recompute_tokens_per_s),
@@ -96,7 +100,8 @@ class Monitor(JournaledHooks):
                                                          calibration_config(c),
                                                          model=self.info.model),
                                  max_recomputes=c.max_concurrent_recomputes,
-                                 max_recoveries=c.max_concurrent_recoveries)
+                                 max_recoveries=c.max_concurrent_recoveries,
+                                 capabilities=caps)
         self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
         self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
@@ -114,7 +119,8 @@ class Monitor(JournaledHooks):
                                                 self.info.model)
         self.poller = AllocatorPoller(adapter, self.metrics, self.allocator_health,
                                       lambda: self.requests_done, c.adapter_timeout_s,
-                                      c.allocator_every_s, c.allocator_check_min_interval_s)
+                                      c.allocator_every_s, c.allocator_check_min_interval_s,
+                                      introspection=caps.introspection)
         self.reporter = VerdictReporter(self.metrics, self.info, self.evidence,
                                         self.allocator_health, self.sampler,
                                         self.verifier.calibration,
@@ -136,8 +142,7 @@ class Monitor(JournaledHooks):
         self._should_sample = self.group_signals.wrap(self.sampler.should_sample)
         self._journal_events = self.journal.events  # the journaled hooks append inline
         self._nudge = self.poller.nudge
-        capture = getattr(adapter, "capture", None) if c.capture else None
-        self._capture = capture if callable(capture) else None
+        self._capture = caps.capture if c.capture else None
         self._started = False
         # Background scrub and protective actions (sidecar/scrub.py, sidecar/actions.py;
         # off by default): verdict listeners run after each verdict is reported, and the

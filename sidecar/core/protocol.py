@@ -11,11 +11,11 @@ The core never imports an engine. An engine (or an adapter wrapping it) does two
   (``read``), what KV a from-scratch computation gives for the same blocks (``recompute``),
   and the allocator's state (``allocator``).
 
-Two optional capabilities extend this, for allocator health (:mod:`sidecar.allocator`): an
-adapter may also be an :class:`AllocatorIntrospection` (block-level snapshots of its pool,
-:class:`BlockTableSnapshot`, on which the sidecar checks the allocator's invariants), and an
-engine may also send the :class:`BlockLifecycleSink` events ``on_allocate``/``on_release``
-(the block lifecycle log). Engines that offer neither still get every other signal.
+Every optional capability (``capture``, ``reread``, ``reference_kind``, ``busy``,
+``block_tables``, ``scrub_hit``, ``evict``, a sampler's ``observe_*``, the sink's
+``on_allocate``/``on_release``/``on_tier``/``on_captured``) is declared, one Protocol each, in
+:mod:`sidecar.core.capabilities`, and resolved once when a Monitor attaches
+(:mod:`sidecar.core.attach`). An adapter that offers none still gets every other signal.
 
 Cache groups are in the protocol from the start: a plain model has one full-attention group,
 a hybrid model (sliding window + full, recurrent state, offloaded tier...) has several, and a
@@ -75,6 +75,9 @@ class CacheGroup:
       the state at its last boundary. Its :class:`BlockKV` carries the state in ``key``
       (``(layers, *state_shape)``) and a second state component, or an empty tensor, in
       ``value``; recompute returns the state a fresh prefill reaches at the same boundary.
+      Missing state: an engine without the state at the hit's last boundary lists fewer
+      blocks (the list ends before it: ``missing_group_state``); a null id there is read as
+      ``null_block_read``. Earlier boundaries are never needed, so null ids before it are fine.
     """
 
     group_id: int
@@ -156,7 +159,9 @@ class Hit:
     generations: Mapping[int, Sequence[int]] = field(default_factory=dict)
     key_fields: Mapping[str, str] = field(default_factory=dict)
     # group id -> the offload-tier state of each block at match time, where the block came
-    # through a tier (absent = device-resident). Served while not resident/loaded = anomaly.
+    # through a tier. Absent = device-resident, per block: a group not listed, a list that
+    # ends before the block, or ``None`` at its position (no padding with RESIDENT).
+    # Served while not resident/loaded = anomaly.
     tier_states: Mapping[int, Sequence[TierState]] = field(default_factory=dict)
 
 
@@ -312,7 +317,14 @@ class Adapter(Protocol):
         ...
 
     def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
-        """The KV the cache holds now for ``refs``, with the generation seen while reading."""
+        """The KV the cache holds now for ``refs``, with the generation seen while reading.
+
+        A block that is gone (freed, evicted, reused since the match): leave its ref out,
+        or return whatever its slots hold now. Either way the sidecar drops it as
+        ``evicted_before_read`` when it saw the block freed or stored again since the match
+        (``on_free``/``on_store``, or a changed generation); a ref left out that it did not
+        see go is a ``missing_block`` adapter error. Raise only when nothing can be read:
+        that drops the whole sample."""
         ...
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
@@ -325,21 +337,16 @@ class Adapter(Protocol):
         ...
 
 
-@runtime_checkable
-class AllocatorIntrospection(Protocol):
-    """Optional adapter capability: the allocator's block-level state, so the sidecar can
-    check its invariants (a free block still indexed, a ref count below its holders, a
-    leak, a double free). Checked with ``isinstance``; an adapter without it still gets
-    the count-level allocator signals from ``Adapter.allocator()``. Called off the
-    engine's hot path, under the adapter time limit."""
-
-    def block_tables(self) -> Sequence[BlockTableSnapshot]:
-        """One snapshot per cache group with a block pool, each taken atomically."""
-        ...
-
-
 class EventSink(Protocol):
-    """What engines call. Implementations must be O(1) and must never raise."""
+    """What engines call. Implementations must be O(1) and must never raise.
+
+    Ordering the engine must keep: ``on_lookup`` for a hit *before* it gathers the hit's KV
+    for the forward (a capture then copies what the request is served), and ``on_store``
+    after the block's KV is written. Hooks may be called with the engine's lock held or
+    after releasing it; the sidecar never calls back into the engine from a hook except
+    through ``capture`` (on the same thread, so an engine lock held around ``on_lookup``
+    must be re-entrant if ``capture`` takes it). Snapshots of block tables are confirmed on
+    a second snapshot, so hooks that lag the lock do not read as leaks."""
 
     def on_lookup(self, lookup: Lookup) -> None: ...
 
@@ -348,60 +355,3 @@ class EventSink(Protocol):
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None: ...
 
     def on_request_done(self, latency_seconds: float) -> None: ...
-
-
-class BlockLifecycleSink(Protocol):
-    """Optional events an engine may send besides :class:`EventSink`'s, for the sidecar's
-    block lifecycle log (allocate / store / hit / free / evict). An engine calls them only
-    where its sink has them (``getattr(sink, "on_allocate", None)``); like every hook they
-    must be O(1) per block and never raise. ``on_store`` (store), ``on_lookup`` (hit) and
-    ``on_free`` (evict: blocks that left the index) complete the lifecycle."""
-
-    def on_allocate(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int],
-                    generations: Sequence[int]) -> None:
-        """Fresh blocks handed to ``seq_id``, with their new generations."""
-        ...
-
-    def on_release(self, group_id: int, seq_id: SequenceId, block_ids: Sequence[int]) -> None:
-        """``seq_id`` dropped its references to ``block_ids`` (its blocks were freed)."""
-        ...
-
-
-class TierSink(Protocol):
-    """Optional event an engine with an offload tier sends (``getattr(sink, "on_tier",
-    None)``), O(1) and never raising like every hook: an entry of ``group_id`` moved to
-    ``state`` (:class:`TierState`). A load (recovery) ends in ``loaded`` or ``failed``,
-    with ``seconds`` = how long it took, for the recovery signals."""
-
-    def on_tier(self, group_id: int, block_id: int, state: TierState,
-                seconds: float | None = None) -> None: ...
-
-
-# --- optional capabilities of the background scrub and the protective actions
-# (sidecar/checks/scrub.py, sidecar/protect/actions.py). Checked with isinstance; an adapter
-# without them
-# still gets every other signal (the scrub then counts its candidates as unsupported, a
-# quarantine as unsupported). Called off the engine's hot path, under the time limit.
-@runtime_checkable
-class ScrubSource(Protocol):
-    """Optional adapter capability: rebuild a :class:`Hit` for a block nobody is hitting,
-    so the background scrub can verify it like a sampled hit."""
-
-    def scrub_hit(self, group_id: int, block_id: int) -> Hit | None:
-        """A hit ending with ``block_id`` (its full prefix tokens, the block ids and
-        generations of the prefix, the key fields it was stored under), or ``None`` when
-        the block is not indexed any more, is held by a live sequence now (being hit: not
-        the scrub's business), or its prefix cannot be rebuilt. Must take the engine's lock
-        only for bookkeeping, never for a forward."""
-        ...
-
-
-@runtime_checkable
-class Evictor(Protocol):
-    """Optional adapter capability (quarantine): drop blocks from the engine's prefix
-    index so later requests recompute them instead of hitting them. Blocks held by live
-    sequences stay where they are for them; only the index entry goes."""
-
-    def evict(self, group_id: int, block_ids: Sequence[int]) -> int:
-        """Remove ``block_ids`` from the index; returns how many were removed."""
-        ...

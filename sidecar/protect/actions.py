@@ -30,7 +30,7 @@ from typing import Any
 
 from sidecar import signals as S
 from sidecar.checks.verifier import Verdict
-from sidecar.core.protocol import Evictor
+from sidecar.core.capabilities import Evictor
 from sidecar.core.time_limits import Guard
 from sidecar.signals import Action
 
@@ -69,9 +69,9 @@ def bad_blocks(verdict: Verdict) -> dict[int, list[int]]:
 class Quarantine:
     """Evicts the blocks an anomalous verdict names (see the module docstring)."""
 
-    def __init__(self, adapter: Any, metrics: Any, timeout_s: float) -> None:
+    def __init__(self, evictor: Evictor | None, metrics: Any, timeout_s: float) -> None:
         self.metrics = metrics
-        self._evictor = adapter if isinstance(adapter, Evictor) else None
+        self._evictor = evictor  # the adapter's, as resolved at attach (None: unsupported)
         self.guard = Guard(timeout_s)
         self.evicted = 0
         for result in ("evicted", "unsupported", "error"):
@@ -171,7 +171,8 @@ class Actions:
         m = monitor.metrics
         m.gauge(S.ACTION_ENABLED, action=Action.QUARANTINE.value).set(int(settings.quarantine))
         m.gauge(S.ACTION_ENABLED, action=Action.BREAKER.value).set(int(settings.breaker))
-        self.quarantine = (Quarantine(monitor.adapter, m, monitor.config.adapter_timeout_s)
+        self.quarantine = (Quarantine(monitor.capabilities.evictor, m,
+                                      monitor.config.adapter_timeout_s)
                            if settings.quarantine else None)
 
         def set_hits_allowed(allowed: bool) -> None:

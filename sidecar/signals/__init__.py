@@ -39,7 +39,7 @@ ALL_SIGNALS: tuple[Signal, ...] = (  # noqa: F405
     *BASE_SIGNALS, *VLLM_SIGNALS, *TOLERANCE_SIGNALS, *CANARY_SIGNALS,  # noqa: F405
     *LMCACHE_SIGNALS, HOOK_INPUT_REJECTED, *SCRUB_ACTION_SIGNALS, *HYBRID_SIGNALS,  # noqa: F405
     *GUARD_SIGNALS, PREFIX_CACHE_RESETS, *SGLANG_SIGNALS, *OUTLOOK_SIGNALS,  # noqa: F405
-    *OTLP_SIGNALS,  # noqa: F405
+    *CAPABILITY_SIGNALS, *OTLP_SIGNALS,  # noqa: F405
 )
 
 # Signals an adapter owns and registers itself (``Metrics.register``) where it runs: a

@@ -266,3 +266,16 @@ OUTLOOK_SIGNALS: tuple[Signal, ...] = (
     VERIFIED_BLOCK_SHARE, EXPECTED_DETECTION_SECONDS, EXPECTED_DETECTION_HITS,
     SAMPLE_EVERY_CURRENT, SAMPLE_BURSTS,
 )
+
+# --- adapter capabilities (sidecar/core/attach.py, issue 20): what conformance found when the
+# Monitor attached. Bounded label: capability (the names in sidecar.core.capabilities).
+CAPABILITY_PROBLEMS = _s("capability_problems", G,
+                         "Problems the conformance check found in an optional adapter or "
+                         "sampler capability when the Monitor attached (a wrong signature, a "
+                         "value outside the declared ones, a misspelt name), by capability; "
+                         "a capability with a problem is refused and the Monitor runs "
+                         "without it.", ("capability",))
+CAPABILITY_IN_USE = _s("capability_in_use", G,
+                       "1 for each optional capability in force (offered and conforming), "
+                       "0 for one not offered or refused.", ("capability",))
+CAPABILITY_SIGNALS: tuple[Signal, ...] = (CAPABILITY_PROBLEMS, CAPABILITY_IN_USE)

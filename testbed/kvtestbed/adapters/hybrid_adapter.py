@@ -7,6 +7,15 @@ covers for the full and sliding groups, and for the recurrent group the conv sta
 prefill reaches at the block's boundary (``BlockKV.key`` = ``(layers, channels, conv_L)``,
 ``value`` empty). A read of a null block raises nothing: it returns what the null block
 holds (zeros), and the sidecar decides what a null block at that position means.
+
+What the protocol now gives it (issue 20), so it needs no workaround: ``capture`` and
+``block_tables`` are declared capabilities (:mod:`sidecar.core.capabilities`), checked when
+the Monitor attaches; block-table snapshots are confirmed on a second one; ``Hit.tier_states``
+lists only blocks that came through a tier (absent or ``None`` = resident, no padding); a
+missing recurrent state is a shorter block list (``missing_group_state``), a null id before
+the last boundary is fine; tier loads are ``on_tier`` events of their own with a duration
+(the recovery histogram), never a faked ``StoredBlock``; an engine that re-reports whole
+tables can put :class:`sidecar.adapters.store_dedup.StoreDedup` before the Monitor.
 """
 
 from __future__ import annotations

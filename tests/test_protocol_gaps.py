@@ -1,0 +1,78 @@
+"""The protocol gaps two outside adapters hit (issue 20, finding 10), each closed and held
+to its documented behaviour: ``read`` of a block that is gone, per-block "absent =
+resident" tier states, the missing-recurrent-state convention."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sidecar.checks.coverage import check_coverage
+from sidecar.core.monitor import Monitor, SidecarConfig
+from sidecar.core.protocol import BlockKV, BlockRef, EngineInfo, Hit
+from sidecar.core.protocol import TierState as T
+from sidecar.signals import AnomalyKind as K
+from sidecar.signals import DropReason
+from tests.hybrid_toy import BS, FULL, RECURRENT, SLIDING, groups
+from tests.toy import BS as TOY_BS
+from tests.toy import ToyAdapter, ToyEngine
+
+DEFERRED = SidecarConfig(sample_every=1, dispatch="deferred", allocator_every_s=0,
+                         burst_hits=0, blocks_per_sample=2)
+
+
+class LeavesOutEverything(ToyAdapter):
+    """``read`` answers nothing: what an adapter does for blocks that are gone."""
+
+    def read(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        return []
+
+
+def _sampled(free_first: bool) -> list:
+    engine = ToyEngine(sink=None)
+    monitor = Monitor(LeavesOutEverything(engine), DEFERRED)
+    engine.sink = monitor
+    prompt = list(range(2 * TOY_BS))
+    engine.serve(prompt)
+    hit = engine.serve(prompt)  # sampled, kept for later
+    assert hit is not None
+    if free_first:
+        monitor.on_free(0, list(hit.blocks[0]))  # gone before the verifier reads
+    return monitor.verify_pending()
+
+
+def test_a_block_freed_since_the_match_and_left_out_of_read_is_dropped_as_evicted() -> None:
+    [verdict] = _sampled(free_first=True)
+    assert DropReason.EVICTED_BEFORE_READ in verdict.dropped
+    assert verdict.adapter_errors == [] and DropReason.ADAPTER_ERROR not in verdict.dropped
+
+
+def test_a_live_block_left_out_of_read_is_an_adapter_error() -> None:
+    [verdict] = _sampled(free_first=False)
+    assert ("read", "missing_block") in verdict.adapter_errors
+    assert DropReason.ADAPTER_ERROR in verdict.dropped
+    assert DropReason.EVICTED_BEFORE_READ not in verdict.dropped
+
+
+INFO = EngineInfo("t", "m", "r", "float32", BS, 2, 8, groups())
+BLOCKS = {FULL: [1, 2], SLIDING: [3, 4], RECURRENT: [0, 5]}
+
+
+def _kinds(hit: Hit) -> list[tuple[K, int, int]]:
+    return [(f.kind, f.group_id, f.block_index) for f in check_coverage(hit, INFO)]
+
+
+def test_tier_states_absent_means_resident_per_block() -> None:
+    for states in ({}, {FULL: []}, {FULL: [None]}, {FULL: [None, T.LOADED]},
+                   {FULL: [T.LOADED]}):  # no padding with RESIDENT needed
+        assert _kinds(Hit((), 8, BLOCKS, tier_states=states)) == [], states
+    assert _kinds(Hit((), 8, BLOCKS, tier_states={FULL: [None, T.OFFLOADED]})) == [
+        (K.TIER_NOT_LOADED, FULL, 1)]
+
+
+def test_a_missing_recurrent_state_is_a_shorter_list_and_a_null_id_is_a_null_read() -> None:
+    assert _kinds(Hit((), 8, {**BLOCKS, RECURRENT: [0]})) == [
+        (K.MISSING_GROUP_STATE, RECURRENT, 1)]
+    assert _kinds(Hit((), 8, {**BLOCKS, RECURRENT: [0, 0]})) == [
+        (K.NULL_BLOCK_READ, RECURRENT, 1)]
+    assert _kinds(Hit((), 8, {**BLOCKS, RECURRENT: [0, 5]})) == []  # earlier: null is fine
+
