@@ -37,7 +37,8 @@ def sockdir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _wait(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait for ``cond``: the deadline only bounds a hang (a loaded machine is slow)."""
     deadline = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.01)
