@@ -48,7 +48,6 @@ ROLE_NAMES = {
 # of issue 20 and the tests that go with them). Shrink only.
 TOO_LONG = {
     "sidecar/core/protocol.py",
-    "sidecar/core/monitor.py",
     "sidecar/signals.py",
     "sidecar/protect/forward.py",
     "tests/test_protect_guard.py",

@@ -14,8 +14,9 @@ keeps a known-bad entry from being served again. Two actions, each off by defaul
   background scrub runs them, :mod:`sidecar.checks.scrub`); ``breaker_probes`` clean ones in a row
   close it again, an anomalous one starts the count over.
 
-Both listen to verdicts after the reporter counted them (``Monitor.verdict_listeners``), on
-the verifier's or the scrub's thread, never on an engine hook's.
+Both listen to verdicts after the reporter counted them (stage ``ACTIONS`` of
+:mod:`sidecar.core.verdict_listeners`), on the verifier's or the scrub's thread, never on an
+engine hook's.
 """
 
 from __future__ import annotations
@@ -166,16 +167,17 @@ class CircuitBreaker:
 class Actions:
     """The actions a Monitor was configured with, as verdict listeners."""
 
-    def __init__(self, monitor: Any, settings: ActionSettings) -> None:
+    def __init__(self, adapter: Any, metrics: Any, adapter_timeout_s: float,
+                 settings: ActionSettings,
+                 set_hits_allowed: Callable[[bool], None] = lambda allowed: None) -> None:
+        """``adapter``: where quarantine evicts (if it can); ``set_hits_allowed``: the
+        breaker's switch (the composition sets the Monitor's ``hits_allowed`` with it)."""
         self.settings = settings
-        m = monitor.metrics
+        m = metrics
         m.gauge(S.ACTION_ENABLED, action=Action.QUARANTINE.value).set(int(settings.quarantine))
         m.gauge(S.ACTION_ENABLED, action=Action.BREAKER.value).set(int(settings.breaker))
-        self.quarantine = (Quarantine(monitor.adapter, m, monitor.config.adapter_timeout_s)
+        self.quarantine = (Quarantine(adapter, m, adapter_timeout_s)
                            if settings.quarantine else None)
-
-        def set_hits_allowed(allowed: bool) -> None:
-            monitor.hits_allowed = allowed
         self.breaker = (CircuitBreaker(settings, m, set_hits_allowed)
                         if settings.breaker else None)
 
