@@ -94,7 +94,7 @@ def test_the_monitor_has_one_listener_path_in_the_stated_order() -> None:
 
 
 def test_collaborators_get_typed_dependencies_not_the_monitor() -> None:
-    engine, adapter, mon = make_toy(scrub=True, breaker=True)
+    _engine, adapter, mon = make_toy(scrub=True, breaker=True)
     scrubber = mon.scrubber
     assert scrubber is not None and not hasattr(scrubber, "monitor")
     deps = vars(scrubber.deps)
@@ -107,3 +107,29 @@ def test_collaborators_get_typed_dependencies_not_the_monitor() -> None:
     for _ in range(mon.config.breaker_anomalies):  # the breaker's switch is the Monitor's flag
         breaker.on_verdict(SimpleNamespace(findings=[1], anomalous=True))  # type: ignore[arg-type]
     assert breaker.open and mon.hits_allowed is False
+
+
+def test_one_byte_view_for_digests_wire_and_evidence_files() -> None:
+    """bf16, float8, bool, 0-dim and strided tensors: the digest's bytes, the probe's wire
+    bytes and the safetensors body are the same C-order bytes (round trips exact)."""
+    import torch
+
+    from sidecar.adapters.vllm.wire import tensor_bytes as wire_bytes
+    from sidecar.adapters.vllm.wire import tensor_from
+    from sidecar.checks.fingerprint import tensor_bytes as digest_bytes
+    from sidecar.core.tensor_bytes import byte_view
+    from sidecar.evidence.safetensors_io import dumps, loads
+
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) / 7
+    cases = [base, base.to(torch.bfloat16), base.to(torch.float8_e4m3fn), base > 1,
+             base.transpose(0, 2), torch.tensor(3.5), torch.empty(0, 4)]
+    for t in cases:
+        raw = bytes(byte_view(t))
+        assert len(raw) == t.numel() * t.element_size()
+        assert bytes(digest_bytes(t)) == wire_bytes(t) == raw
+        if t.dtype is not torch.bool and t.dim():  # KV dtypes and shapes only on the wire
+            back = tensor_from(raw, str(t.dtype).removeprefix("torch."), list(t.shape))
+            assert bytes(byte_view(back)) == raw and back.shape == t.shape
+        if t.dtype in (torch.float32, torch.bfloat16, torch.bool):
+            got, _ = loads(dumps({"t": t}))
+            assert torch.equal(got["t"], t)
