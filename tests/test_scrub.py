@@ -12,8 +12,9 @@ from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar import signals as S
-from sidecar.checks.scrub import Scrubber, ScrubSettings
+from sidecar.checks.scrub import ScrubSettings
 from sidecar.checks.scrub_budget import RecomputeBudget
+from sidecar.core.compose import scrubber_for
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import TierState
 from tests.limits import DETECTION_TIMEOUT_S
@@ -80,7 +81,7 @@ def test_recompute_rate_stays_within_the_budget_measured() -> None:
     budget = 2_000.0
     settings = ScrubSettings(enabled=True, every_s=5.0, jitter_s=0.0, blocks_per_tick=50,
                              tokens_per_minute=budget, idle_s=0, seed=1)
-    scrubber = Scrubber(monitor, settings, clock=lambda: now[0])
+    scrubber = scrubber_for(monitor, settings, clock=lambda: now[0])
     peak_minute = 0
     for _ in range(120):  # 10 minutes, one tick every 5 s
         scrubber.tick()
@@ -146,7 +147,7 @@ def test_replicas_scrub_in_different_orders() -> None:
     _, monitor = _warm()
 
     def order(seed: int) -> list[int]:
-        s = Scrubber(monitor, ScrubSettings(enabled=True, idle_s=0, blocks_per_tick=6,
+        s = scrubber_for(monitor, ScrubSettings(enabled=True, idle_s=0, blocks_per_tick=6,
                                             tokens_per_minute=1e9, seed=seed))
         return [v.sample.refs[0].block_id for v in s.tick()]
 
@@ -175,7 +176,7 @@ def test_without_the_capability_nothing_is_scrubbed_and_it_is_counted() -> None:
             return getattr(self.inner, name)
 
     monitor.adapter = Plain(monitor.adapter)  # type: ignore[assignment]
-    s = Scrubber(monitor, ScrubSettings(enabled=True, idle_s=0, tokens_per_minute=1e9))
+    s = scrubber_for(monitor, ScrubSettings(enabled=True, idle_s=0, tokens_per_minute=1e9))
     assert s.tick() == []
     assert monitor.metrics.value(S.SCRUB_SKIPPED.name, reason="unsupported") > 0
 

@@ -29,16 +29,13 @@ import torch
 from sidecar.checks import device_digest
 from sidecar.checks.base import Finding
 from sidecar.core.protocol import BlockKV
+from sidecar.core.tensor_bytes import byte_view
 from sidecar.signals import AnomalyKind
 
 Hasher = Callable[[memoryview, memoryview], str]
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's raw bytes, without converting values (bf16 has no numpy dtype); a
-    device tensor is copied to the host (only host digests need this)."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+tensor_bytes = byte_view  # the one byte view (sidecar.core.tensor_bytes)
 
 
 def _hashlib(name: str) -> Hasher:

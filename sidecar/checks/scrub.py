@@ -45,11 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar import signals as S
+from sidecar.checks.calibration import Calibration
 from sidecar.checks.scrub_budget import RecomputeBudget
 from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
 from sidecar.core import attach
-from sidecar.core.protocol import BlockRef, Hit, TierState
+from sidecar.core.cache_view import CacheView
+from sidecar.core.protocol import Adapter, BlockRef, EngineInfo, Hit, TierState
 from sidecar.core.time_limits import Guard
+from sidecar.export.metrics import Metrics
 from sidecar.signals import ScrubSkip
 
 log = logging.getLogger(__name__)
@@ -84,30 +87,46 @@ def replica_seed() -> int:
     return zlib.crc32(f"{socket.gethostname()}/{os.getpid()}".encode())
 
 
-class Scrubber:
-    """The background scrub of one Monitor (see the module docstring). ``monitor`` is a
-    :class:`sidecar.core.monitor.Monitor` (typed loosely: the Monitor builds the scrubber)."""
+@dataclass(frozen=True)
+class ScrubDeps:
+    """What the scrub works with (built by :func:`sidecar.core.compose.scrubber_for`): the
+    adapter and engine, where to count, the hit path's calibration, the store as of now,
+    the hit path's queue length (a long queue skips a tick) and where its verdicts go."""
 
-    def __init__(self, monitor: Any, settings: ScrubSettings,
+    adapter: Adapter
+    info: EngineInfo
+    metrics: Metrics
+    calibration: Calibration
+    recompute: bool
+    adapter_timeout_s: float
+    cache: CacheView
+    pending: Callable[[], int]
+    apply: Callable[[Verdict], None]
+    capabilities: attach.Capabilities | None = None  # the Monitor's, resolved at attach
+
+
+class Scrubber:
+    """The background scrub of one Monitor (see the module docstring)."""
+
+    def __init__(self, deps: ScrubDeps, settings: ScrubSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.monitor = monitor
+        self.deps = deps
         self.settings = settings
         self.seed = settings.seed if settings.seed is not None else replica_seed()
         self._rng = random.Random(self.seed)
         self._clock = clock
-        cfg = monitor.config
-        self.adapter = monitor.adapter
+        self.adapter = deps.adapter
         # The Monitor's capabilities as resolved at attach; resolved here for another adapter.
-        caps = monitor.capabilities
-        self.capabilities = caps if caps.adapter is self.adapter else attach.resolve(
-            self.adapter, quiet=True)
+        caps = deps.capabilities
+        self.capabilities = caps if caps is not None and caps.adapter is self.adapter \
+            else attach.resolve(self.adapter, quiet=True)
         self._source = self.capabilities.scrub_source
-        self.guard = Guard(cfg.adapter_timeout_s)  # a hung scrub_hit wedges only the scrub
+        self.guard = Guard(deps.adapter_timeout_s)  # a hung scrub_hit wedges only the scrub
         # Its own verifier: same checks, tolerance and calibration, but not the hit path's
         # recompute budget (the scrub has its own) nor its guard.
-        self.verifier = Verifier(self.adapter, monitor.info, self.guard, TokenBucket(0),
-                                 recompute=cfg.recompute, epoch_of=self._epoch_now,
-                                 calibration=monitor.verifier.calibration,
+        self.verifier = Verifier(self.adapter, deps.info, self.guard, TokenBucket(0),
+                                 recompute=deps.recompute, epoch_of=deps.cache.epoch,
+                                 calibration=deps.calibration,
                                  capabilities=self.capabilities)
         tick_s = settings.every_s + settings.jitter_s
         self.budget = RecomputeBudget(settings.tokens_per_minute,
@@ -125,7 +144,7 @@ class Scrubber:
         self.last_pass: float | None = None
         self.probe_mode: Callable[[], bool] = lambda: False  # set by the breaker
         self._scheduler: Any = None
-        m = monitor.metrics
+        m = deps.metrics
         for result in ("clean", "anomalous", "dropped"):
             m.inc(S.SCRUB_VERIFIED, 0, result=result)
         for reason in ScrubSkip:
@@ -179,7 +198,7 @@ class Scrubber:
         return self.settings.enabled or self.probe_mode()
 
     def _busy(self) -> bool:
-        if self.monitor.dispatcher.pending > self.settings.max_pending:
+        if self.deps.pending() > self.settings.max_pending:
             return True
         busy = self.capabilities.busy
         try:
@@ -198,7 +217,7 @@ class Scrubber:
         probing = self.probe_mode()
         resident = {(g, b): p for g, b, p in self._resident()}
         verdicts: list[Verdict] = []
-        bs = self.monitor.info.block_size
+        bs = self.deps.info.block_size
         examined = 0  # each resident block at most once a tick, whatever is skipped
         while len(verdicts) < self.settings.blocks_per_tick and examined <= len(resident):
             key = self._next(resident)
@@ -278,15 +297,13 @@ class Scrubber:
             return None
         self.budget.spend(cost)
         m.inc(S.SCRUB_RECOMPUTE_TOKENS, cost)
-        mon = self.monitor
-        mon.journal.drain()
-        records, epochs = mon.stored.snapshot((ref,))
+        records, epochs = self.deps.cache.snapshot((ref,))
         verdict = self.verifier.verify(Sample(hit, (ref,), records, time.time(), epochs))
         with self._lock:
             self._done.add(key)
         self._own.applying = True
         try:
-            mon.apply(verdict)  # signals, evidence, listeners (the breaker's probes)
+            self.deps.apply(verdict)  # signals, evidence, listeners (the breaker's probes)
         finally:
             self._own.applying = False
         result = ("anomalous" if verdict.findings
@@ -317,16 +334,11 @@ class Scrubber:
 
     # ------------------------------------------------------------------ plumbing
     @property
-    def metrics(self) -> Any:
-        return self.monitor.metrics
+    def metrics(self) -> Metrics:
+        return self.deps.metrics
 
     def _resident(self) -> list[tuple[int, int, int]]:
-        self.monitor.journal.drain()
-        return list(self.monitor.stored.resident())
-
-    def _epoch_now(self, group_id: int, block_id: int) -> int:
-        self.monitor.journal.drain()
-        return int(self.monitor.stored.epoch(group_id, block_id))
+        return self.deps.cache.resident()
 
     def _scheduled(self) -> None:
         try:
@@ -354,8 +366,10 @@ class Scrubber:
         return self._scheduler is not None and self._scheduler.running
 
     def stop(self) -> None:
+        """Stop ticking; a tick under way finishes first (each of its adapter calls is time
+        limited), so no scrub verdict reaches the listeners after ``stop`` returns."""
         if self._scheduler is not None and self._scheduler.running:
-            self._scheduler.shutdown(wait=False)
+            self._scheduler.shutdown(wait=True)
         self._scheduler = None
 
 

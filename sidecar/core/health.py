@@ -35,10 +35,7 @@ def monitor_health(monitor: Monitor, parts: Mapping[str, Callable[[], bool]] | N
     stall = stall_s if stall_s is not None else 10 * monitor.config.adapter_timeout_s + 30
     pending = int(h["pending_samples"])
     last = h["last_verification"] or 0.0
-    started = getattr(monitor, "_health_since", None)
-    if started is None:
-        started = monitor._health_since = time.time()  # type: ignore[attr-defined]
-    idle_for = time.time() - max(last, started)
+    idle_for = time.time() - max(last, float(h["watching_since"]))
     checks["verification_progressing"] = pending == 0 or idle_for < stall
     return {"ok": all(checks.values()), "checks": checks, "pending_samples": pending,
             "seconds_since_verification": round(time.time() - last, 3) if last else None}

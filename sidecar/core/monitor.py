@@ -15,7 +15,6 @@ of the KV the request is served. Then it is handed to the rest, one job per modu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -26,17 +25,17 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog, LifecycleOp
+from sidecar.allocator import AllocatorHealth, LifecycleLog, LifecycleOp
 from sidecar.allocator.poller import AllocatorPoller
-from sidecar.checks.calibration import Calibration, calibration_config
-from sidecar.checks.scrub import Scrubber, ScrubSettings
-from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
+from sidecar.checks.scrub import Scrubber
+from sidecar.checks.verifier import Sample, Verdict, Verifier
 from sidecar.config.settings import SidecarConfig
 from sidecar.core import attach
 from sidecar.core import hook_input as HI
+from sidecar.core.cache_view import CacheView
+from sidecar.core.compose import wire
 from sidecar.core.dispatch import Dispatcher
 from sidecar.core.hit_input import check_sampled_hit
-from sidecar.core.journal import CacheEventJournal
 from sidecar.core.journal_hooks import JournaledHooks
 from sidecar.core.protocol import (
     Adapter,
@@ -53,25 +52,48 @@ from sidecar.core.report import VerdictReporter
 from sidecar.core.sampling import Burst, Sampler, UniformSampler
 from sidecar.core.store_index import StoreIndex
 from sidecar.core.time_limits import Guard
+from sidecar.core.verdict_listeners import VerdictListeners
 from sidecar.evidence.record import EvidenceLog
 from sidecar.export.metrics import Metrics
 from sidecar.export.outlook import DetectionOutlook
 from sidecar.export.recovery import GroupSignals
 from sidecar.export.summary import p99, summarize
-from sidecar.protect.actions import Actions, ActionSettings
+from sidecar.protect.actions import Actions
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# The hooks whose errors are counted (kvsidecar_hook_errors_total{hook}), created at 0.
-HOOKS = ("on_lookup", "on_captured", "on_store", "on_free", "on_request_done", "on_allocate",
-         "on_release", "capture", "on_tier")
 
 
 class Monitor(JournaledHooks):
-    """Implements :class:`sidecar.core.protocol.EventSink`; see the module docstring."""
+    """Implements :class:`sidecar.core.protocol.EventSink`; see the module docstring. The
+    collaborators are built and set by :func:`sidecar.core.compose.wire`."""
+
+    metrics: Metrics
+    stored: StoreIndex
+    lifecycle: LifecycleLog
+    cache: CacheView
+    verifier: Verifier
+    evidence: EvidenceLog
+    _latencies: deque[float]
+    allocator_health: AllocatorHealth
+    poller: AllocatorPoller
+    reporter: VerdictReporter
+    verdict_listeners: VerdictListeners
+    dispatcher: Dispatcher
+    _c_lookups: Any
+    _c_query_tokens: Any
+    _c_hits: Any
+    _c_hit_tokens: Any
+    _h_latency: Any
+    group_signals: GroupSignals
+    _should_sample: Callable[[Hit], bool]
+    hits_allowed: bool
+    actions: Actions
+    scrubber: Scrubber | None
+    outlook: DetectionOutlook
 
     def __init__(self, adapter: Adapter, config: SidecarConfig | None = None,
                  registry: CollectorRegistry | None = None, sampler: Sampler | None = None,
@@ -82,107 +104,22 @@ class Monitor(JournaledHooks):
         self.guard = Guard(c.adapter_timeout_s)
         # describe() is the one call allowed to fail loudly: without it nothing can be checked.
         self.info = info or self.guard.call("describe", adapter.describe)
-        self.metrics = Metrics(self.info.engine, self.info.model, registry)
         self.sampler: Sampler = sampler or UniformSampler(
             c.sample_every, c.seed, burst=Burst(c.burst_hits, c.burst_every))
         # Optional capabilities resolved once, here (sidecar.core.attach): a wrongly shaped
         # one is refused and logged now; policies that learn from cache events get them.
         self.capabilities = caps = attach.resolve(adapter, self.sampler)
-        attach.export(caps, self.metrics)
         self._sampler_store = caps.observe_store
         self._sampler_free = caps.observe_free
         self._sampler_release = caps.observe_release
-        self.stored = StoreIndex(c.store_records)
-        self.verifier = Verifier(adapter, self.info, self.guard,
-                                 TokenBucket(c.recompute_tokens_per_s),
-                                 recompute=c.recompute, epoch_of=self._epoch_now,
-                                 calibration=Calibration(self.info.dtype, self.info.kv_storage,
-                                                         calibration_config(c),
-                                                         model=self.info.model),
-                                 max_recomputes=c.max_concurrent_recomputes,
-                                 max_recoveries=c.max_concurrent_recoveries,
-                                 capabilities=caps)
-        self.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
-        self._latencies: deque[float] = deque(maxlen=c.latency_window)
         self._hook_error_logged: set[str] = set()
         self._reject_cells: dict[tuple[str, HI.InputReject], Any] = {}
         self.requests_done = 0
-        self.lifecycle = LifecycleLog(c.lifecycle_sample_rate, c.lifecycle_window,
-                                      burst=c.lifecycle_burst)
-        # Store/free events leave the engine's thread as one append (sidecar.core.journal).
-        self.journal = CacheEventJournal(
-            self.stored, self.lifecycle,
-            reject=lambda hook, why: self._reject(hook, why))
-        self.lifecycle.before_read = self.journal.drain
-        self.allocator_health = AllocatorHealth(self.metrics, self.evidence, self.lifecycle,
-                                                LeakTrend(c.leak_window), self.info.engine,
-                                                self.info.model)
-        self.poller = AllocatorPoller(adapter, self.metrics, self.allocator_health,
-                                      lambda: self.requests_done, c.adapter_timeout_s,
-                                      c.allocator_every_s, c.allocator_check_min_interval_s,
-                                      introspection=caps.introspection)
-        self.reporter = VerdictReporter(self.metrics, self.info, self.evidence,
-                                        self.allocator_health, self.sampler,
-                                        self.verifier.calibration,
-                                        lambda: self.requests_done, self.poller.nudge)
-        # ``apply`` looked up per verdict, so a caller may wrap it (benchmarks timing it).
-        self.dispatcher = Dispatcher(self.verifier.verify, lambda v: self.apply(v), self._drop,
-                                     c.dispatch, c.queue_size)
-        self._init_series()
-        m = self.metrics
-        # The hot path updates these cells in place (sidecar.export.instruments): no lookups.
-        self._c_lookups = m.cell(S.LOOKUPS)
-        self._c_query_tokens = m.cell(S.QUERY_TOKENS)
-        self._c_hits = m.cell(S.HITS)
-        self._c_hit_tokens = m.cell(S.HIT_TOKENS)
-        self._h_latency = m.cell(S.REQUEST_LATENCY)
-        self.group_signals = GroupSignals(m, self.info)  # hits per group, tier recoveries
-        # Hits per cache group: a one-group engine's series is the hits cell itself (no
-        # hot-path cost); a hybrid one counts the groups of each hit on the way to sampling.
-        self._should_sample = self.group_signals.wrap(self.sampler.should_sample)
-        self._journal_events = self.journal.events  # the journaled hooks append inline
-        self._nudge = self.poller.nudge
+        self.watching_since = time.time()  # reset by start(): /healthz's stall clock
+        wire(self, registry, caps)  # every collaborator (sidecar.core.compose)
+        attach.export(caps, self.metrics)
         self._capture = caps.capture if c.capture else None
         self._started = False
-        # Background scrub and protective actions (sidecar/scrub.py, sidecar/actions.py;
-        # off by default): verdict listeners run after each verdict is reported, and the
-        # engine reads ``hits_allowed`` (a plain attribute, O(1)) at lookup: the circuit
-        # breaker clears it while open.
-        self.hits_allowed = True
-        self.verdict_listeners: list[Callable[[Verdict], None]] = []
-        self.actions = Actions(self, ActionSettings.of(c))
-        self.scrubber: Scrubber | None = None
-        if c.scrub or c.breaker:  # the breaker's probes are scrub verifications
-            self.scrubber = scrubber = Scrubber(self, ScrubSettings.of(c))
-            self.verdict_listeners.append(scrubber.on_verdict)
-            breaker = self.actions.breaker
-            if breaker is not None:
-                scrubber.probe_mode = lambda: breaker.open
-        self.verdict_listeners.extend(self.actions.listeners())
-        # Verified share, expected time to detection, start bursts (sidecar/outlook.py).
-        self.outlook = DetectionOutlook(m, self.stored, self.sampler,
-                                        lambda: self._c_hits.value, c.detection_fault_fraction)
-        self.verdict_listeners.append(self.outlook.on_verdict)
-
-    def _init_series(self) -> None:
-        """Create every labelled series at 0, so rate() and dashboards see a clean zero
-        instead of a missing series before the first anomaly."""
-        m = self.metrics
-        for g in self.info.groups:
-            m.inc(S.VERIFIED, 0, group=g.label)
-            for kind in S.AnomalyKind:
-                m.inc(S.ANOMALIES, 0, group=g.label, kind=kind.value)
-        for reason in DropReason:
-            m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
-        for hook in HOOKS:
-            m.inc(S.HOOK_ERRORS, 0, hook=hook)
-        for op, reasons in S.ADAPTER_ERROR_REASONS.items():
-            for why in reasons:
-                m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why.value)
-        for name, value in dataclasses.asdict(S.THRESHOLDS).items():
-            m.gauge(S.THRESHOLD, threshold=name).set(value)
-        self.verifier.calibration.publish(m, self.verifier.reference_kind)
-        HI.init_series(m)
 
     # ------------------------------------------------------------------ hot path (engine)
     def on_lookup(self, lookup: Lookup) -> None:
@@ -282,8 +219,7 @@ class Monitor(JournaledHooks):
               captured: dict[BlockRef, BlockKV] | None) -> Sample:
         """A sample as of this match: every store/free so far applied, then the refs'
         store records and epochs snapshotted next to the capture."""
-        self.journal.drain()
-        records, epochs = self.stored.snapshot(refs)
+        records, epochs = self.cache.snapshot(refs)
         return Sample(hit, refs, records, time.time(), epochs, captured)
 
     def _capture_now(self, hit: Hit, refs: tuple[BlockRef, ...]
@@ -322,11 +258,6 @@ class Monitor(JournaledHooks):
         for group_id, blocks in hit.blocks.items():
             self.journal.lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
                                          hit.generations.get(group_id, ()), hit_tokens)
-
-    def _epoch_now(self, group_id: int, block_id: int) -> int:
-        """A block's epoch with every store/free so far applied (the verifier's check)."""
-        self.journal.drain()
-        return self.stored.epoch(group_id, block_id)
 
     def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
         """Count a rejected hook input (``hook_input_rejected_total{hook,reason}``) through
@@ -382,6 +313,7 @@ class Monitor(JournaledHooks):
         """Start verification (queued mode) and allocator polling; idempotent."""
         if not self._started:
             self._started = True
+            self.watching_since = time.time()
             self.journal.start()
             self.dispatcher.start()
             self.poller.start()
@@ -420,14 +352,11 @@ class Monitor(JournaledHooks):
         return self.dispatcher.run_pending()
 
     def apply(self, verdict: Verdict) -> None:
-        """Turn a verdict into signals, evidence and sampler feedback (sidecar.core.report)."""
+        """Turn a verdict into signals, evidence and sampler feedback (sidecar.core.report),
+        then hand it to the verdict listeners in their stated order
+        (:mod:`sidecar.core.verdict_listeners`: signals, export, actions, extras)."""
         self.journal.drain()  # the lifecycle in the evidence is complete up to now
         self.reporter.apply(verdict)
-        for listener in self.verdict_listeners:  # scrub, quarantine, breaker
-            try:
-                listener(verdict)
-            except Exception:
-                log.exception("verdict listener failed (ignored)")
 
     def poll_allocator(self) -> AllocatorState | None:
         """Poll the allocator now (sidecar.allocator.poller): state, invariants, leak trend."""
@@ -442,7 +371,8 @@ class Monitor(JournaledHooks):
                 "pending_samples": self.dispatcher.pending,
                 "verified_samples": self.dispatcher.verified_samples,
                 "last_verification": self.reporter.last_verification,
-                "last_allocator_poll": self.poller.last_poll}
+                "last_allocator_poll": self.poller.last_poll,
+                "watching_since": self.watching_since}
 
     @property
     def first_anomaly_request(self) -> int | None:

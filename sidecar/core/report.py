@@ -13,6 +13,7 @@ from sidecar.checks.calibration import Calibration
 from sidecar.checks.verifier import Verdict
 from sidecar.core.protocol import EngineInfo
 from sidecar.core.sampling import Sampler
+from sidecar.core.verdict_listeners import VerdictListeners
 from sidecar.evidence.record import EvidenceLog
 from sidecar.export.metrics import Metrics
 
@@ -40,10 +41,9 @@ class VerdictReporter:
         self.first_anomaly_request: int | None = None
         self.max_recompute_error = 0.0
         self.last_verification: float | None = None
-        # Readers of every verdict (OTLP spans, sidecar.export.otel_push): called last, each
-        # failure logged and swallowed, so a listener can never break the reporting.
-        self.listeners: list[Callable[[Verdict], None]] = []
-        self._listener_errors = 0
+        # Whatever acts on a verdict, called after it is counted, in stages, with one error
+        # policy (sidecar.core.verdict_listeners): the Monitor's ``verdict_listeners`` too.
+        self.listeners = VerdictListeners()
 
     def _group(self, group_id: int) -> str:
         # Only groups the engine described become label values: a verdict naming another
@@ -85,14 +85,11 @@ class VerdictReporter:
             self.sampler.feedback(verdict.sample.hit, verdict.anomalous)
         except Exception:
             log.exception("sampler feedback failed (ignored)")
-        for listener in self.listeners:
-            try:
-                listener(verdict)
-            except Exception:
-                self._listener_errors += 1
-                if self._listener_errors == 1 or self._listener_errors % 1000 == 0:
-                    log.exception("verdict listener failed (#%d, ignored)",
-                                  self._listener_errors)
+        self.listeners.notify(verdict)
+
+    @property
+    def _listener_errors(self) -> int:
+        return self.listeners.errors
 
     def _anomalous(self, verdict: Verdict) -> None:
         if self.first_anomaly_request is None:

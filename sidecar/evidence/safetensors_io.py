@@ -16,6 +16,8 @@ from collections.abc import Mapping
 
 import torch
 
+from sidecar.core.tensor_bytes import byte_view
+
 # torch dtype <-> safetensors dtype name, and the integer view used to move the raw bytes
 # (numpy has no bfloat16, so every tensor's bytes go through a same-width integer view).
 DTYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
@@ -40,12 +42,6 @@ class SafetensorsError(ValueError):
     """A file that is not a well-formed safetensors file."""
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    _, view = DTYPES[t.dtype]
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bool \
-        else flat.view(view).numpy().tobytes()
-
 
 def dumps(tensors: Mapping[str, torch.Tensor],
           metadata: Mapping[str, str] | None = None) -> bytes:
@@ -57,7 +53,7 @@ def dumps(tensors: Mapping[str, torch.Tensor],
         t = tensors[name]
         if t.dtype not in DTYPES:
             raise TypeError(f"safetensors: unsupported dtype {t.dtype} for {name!r}")
-        raw = _raw(t)
+        raw = bytes(byte_view(t))  # the one byte view (sidecar.core.tensor_bytes)
         header[name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)

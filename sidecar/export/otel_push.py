@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
 from sidecar.core.extras import require
+from sidecar.core.verdict_listeners import Stage
 from sidecar.export.otel import OtelExporter
 
 if TYPE_CHECKING:
@@ -268,5 +269,5 @@ def start_otlp_push(monitor: Monitor, endpoint: str, interval_s: float = 10.0,
                     {"kvsidecar.engine": monitor.info.engine,
                      "kvsidecar.model": monitor.info.model}, protocol=protocol,
                     metrics=monitor.metrics)
-    monitor.reporter.listeners.append(push.spans.on_verdict)
+    monitor.reporter.listeners.add(push.spans.on_verdict, Stage.EXPORT)
     return push.start()

@@ -5,7 +5,7 @@ keeps a known-bad entry from being served again. Two actions, each off by defaul
 :class:`~sidecar.config.settings.SidecarConfig` switch and a signal (``kvsidecar_action_enabled``):
 
 * **quarantine** (``quarantine``): a block found bad is handed to the adapter's ``evict``
-  (:class:`sidecar.core.protocol.Evictor`), so later requests recompute it instead of hitting it
+  (:class:`sidecar.core.capabilities.Evictor`), so later requests recompute it instead of hitting it
   again: one corrupted entry is one anomaly, not one per later hit.
 * **circuit breaker** (``breaker``): ``breaker_anomalies`` anomalous verdicts within
   ``breaker_window_s`` open it: the Monitor's ``hits_allowed`` flag (an O(1) attribute the
@@ -14,8 +14,9 @@ keeps a known-bad entry from being served again. Two actions, each off by defaul
   background scrub runs them, :mod:`sidecar.checks.scrub`); ``breaker_probes`` clean ones in a row
   close it again, an anomalous one starts the count over.
 
-Both listen to verdicts after the reporter counted them (``Monitor.verdict_listeners``), on
-the verifier's or the scrub's thread, never on an engine hook's.
+Both listen to verdicts after the reporter counted them (stage ``ACTIONS`` of
+:mod:`sidecar.core.verdict_listeners`), on the verifier's or the scrub's thread, never on an
+engine hook's.
 """
 
 from __future__ import annotations
@@ -166,17 +167,18 @@ class CircuitBreaker:
 class Actions:
     """The actions a Monitor was configured with, as verdict listeners."""
 
-    def __init__(self, monitor: Any, settings: ActionSettings) -> None:
+    def __init__(self, evictor: Evictor | None, metrics: Any, adapter_timeout_s: float,
+                 settings: ActionSettings,
+                 set_hits_allowed: Callable[[bool], None] = lambda allowed: None) -> None:
+        """``evictor``: where quarantine evicts (the adapter's declared capability, or
+        ``None``: it can only count); ``set_hits_allowed``: the breaker's switch (the
+        composition sets the Monitor's ``hits_allowed`` with it)."""
         self.settings = settings
-        m = monitor.metrics
+        m = metrics
         m.gauge(S.ACTION_ENABLED, action=Action.QUARANTINE.value).set(int(settings.quarantine))
         m.gauge(S.ACTION_ENABLED, action=Action.BREAKER.value).set(int(settings.breaker))
-        self.quarantine = (Quarantine(monitor.capabilities.evictor, m,
-                                      monitor.config.adapter_timeout_s)
+        self.quarantine = (Quarantine(evictor, m, adapter_timeout_s)
                            if settings.quarantine else None)
-
-        def set_hits_allowed(allowed: bool) -> None:
-            monitor.hits_allowed = allowed
         self.breaker = (CircuitBreaker(settings, m, set_hits_allowed)
                         if settings.breaker else None)
 

@@ -16,6 +16,7 @@ from sidecar.adapters.lmcache.adapter import LMCacheAdapter
 from sidecar.checks.verifier import Verdict
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.sampling import Sampler
+from sidecar.core.verdict_listeners import Stage
 from sidecar.signals import AnomalyKind, LMCacheTier, RetrieveOutcome
 
 
@@ -34,10 +35,12 @@ class LMCacheMonitor(Monitor):
                 m.inc(S.LMCACHE_RETRIEVED_CHUNKS, 0, tier=tier.value, outcome=outcome.value)
             for kind in AnomalyKind:
                 m.inc(S.LMCACHE_ANOMALIES, 0, tier=tier.value, kind=kind.value)
+        # Counted with the core's signals, before anything acts (sidecar.core.verdict_listeners).
+        self.verdict_listeners.add(self._count_tiers, Stage.SIGNALS)
         adapter.attach(self)
 
-    def apply(self, verdict: Verdict) -> None:
-        super().apply(verdict)
+    def _count_tiers(self, verdict: Verdict) -> None:
+        """Verdict listener: the verified chunks and anomalies by the tier that served them."""
         tiers: tuple[Any, ...] = getattr(verdict.sample.hit, "tiers", ())
 
         def tier(index: int) -> str:

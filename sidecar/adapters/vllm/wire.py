@@ -32,6 +32,7 @@ import msgpack
 import torch
 
 from sidecar.core.protocol import BlockKV, BlockRef
+from sidecar.core.tensor_bytes import byte_view
 
 PROTOCOL_VERSION = 1
 REFERENCE_SALT_PREFIX = "kvsidecar-ref:"
@@ -75,7 +76,7 @@ def unpack(data: bytes) -> dict[str, Any]:
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Raw bytes of ``t`` (any dtype, bfloat16 included) in C order."""
-    return bytes(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return bytes(byte_view(t))  # the one byte view (sidecar.core.tensor_bytes)
 
 
 def tensor_from(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
