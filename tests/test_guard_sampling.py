@@ -27,7 +27,7 @@ def test_guard_times_out_and_refuses_when_too_many_are_stuck():
     with pytest.raises(AdapterRefused):
         g.call("read", lambda: 1)
     release.set()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # bounds a hang only
     while g.stuck and time.monotonic() < deadline:
         time.sleep(0.01)
     assert g.stuck == 0

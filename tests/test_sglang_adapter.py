@@ -74,8 +74,11 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
         tap.census(free, path, evictable=12, protected=0, idle=True)
         tap.freed(torch.tensor([33, 34, 41]))  # 33 and 41 end blocks
         tap.cleared()  # a cache flush: the one block still stored (37) is freed
+        # Wait before closing: the pipe closes with linger 0 (an engine never waits on its
+        # way out), so on a loaded machine a close right away can drop what is still queued.
+        _wait(lambda: len(got["census"]) == 1 and len(got["frees"]) == 2 and
+              sum(len(m["items"]) for m in got["stores"]) == 4)
         tap.close()
-        _wait(lambda: len(got["census"]) == 1 and len(got["frees"]) == 2)
     finally:
         rx.stop()
     stores = [item for m in got["stores"] for item in m["items"]]
