@@ -85,16 +85,12 @@ class CountingMetricExporter(MetricExporter):
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
                **kwargs: Any) -> MetricExportResult:
-        _reset(self.session)
-        try:
-            ok = self.inner.export(metrics_data, timeout_millis=timeout_millis,
-                                   **kwargs) == MetricExportResult.SUCCESS
-        except Exception as exc:  # the SDK's trouble is logged and counted, never raised
-            log.warning("OTLP metric export failed: %s", exc)
-            ok = False
-        reason = failure_reason(self.session, ok)
-        _count(self.record, "metrics", reason)
-        return MetricExportResult.SUCCESS if reason is None else MetricExportResult.FAILURE
+        def attempt() -> bool:
+            return self.inner.export(metrics_data, timeout_millis=timeout_millis,
+                                     **kwargs) == MetricExportResult.SUCCESS
+
+        ok = _counted_export(self.session, self.record, "metrics", "metric", attempt)
+        return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return bool(self.inner.force_flush(timeout_millis))
@@ -110,21 +106,31 @@ class CountingSpanExporter(SpanExporter):
         self.inner, self.record, self.session = inner, record, session
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        _reset(self.session)
-        try:
-            ok = self.inner.export(spans) == SpanExportResult.SUCCESS
-        except Exception as exc:
-            log.warning("OTLP span export failed: %s", exc)
-            ok = False
-        reason = failure_reason(self.session, ok)
-        _count(self.record, "traces", reason)
-        return SpanExportResult.SUCCESS if reason is None else SpanExportResult.FAILURE
+        ok = _counted_export(self.session, self.record, "traces", "span",
+                             lambda: self.inner.export(spans) == SpanExportResult.SUCCESS)
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return bool(self.inner.force_flush(timeout_millis))
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+def _counted_export(session: Any, record: Record, signal: str, what: str,
+                    export: Callable[[], bool]) -> bool:
+    """One export attempt of either exporter: the session's last answer cleared first, the
+    SDK's trouble logged and counted (never raised), the outcome counted under ``signal``;
+    True when it went through."""
+    _reset(session)
+    try:
+        ok = export()
+    except Exception as exc:
+        log.warning("OTLP %s export failed: %s", what, exc)
+        ok = False
+    reason = failure_reason(session, ok)
+    _count(record, signal, reason)
+    return reason is None
 
 
 def _count(record: Record, signal: str, reason: S.OtlpFailure | None) -> None:
