@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from sidecar.checks.verifier import TokenBucket
+from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.core.protocol import Hit
 from sidecar.core.sampling import UniformSampler, choose_blocks
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
@@ -49,7 +49,21 @@ def test_uniform_sampler_rejects_bad_rate():
 
 
 def test_token_bucket_limits_recompute_rate():
-    bucket = TokenBucket(rate=100, burst=100)
+    bucket = RecomputeBudget(100, capacity=100, full=True)
     assert bucket.take(100)
     assert not bucket.take(50)
-    assert TokenBucket(rate=0).take(10**9)  # 0 = unlimited
+    assert RecomputeBudget(0).take(10**9)  # 0 = unlimited
+
+
+def test_an_oversized_recompute_runs_on_a_full_budget_and_leaves_it_in_debt():
+    now = [0.0]
+    budget = RecomputeBudget(100, capacity=100, full=True, clock=lambda: now[0])
+    assert budget.take(250)  # bigger than the bucket: runs when it is full
+    now[0] += 1.0  # refilled by 100, still 50 in debt
+    assert not budget.take(10)
+    now[0] += 1.0
+    assert budget.take(10)
+    assert budget.spent_total == 260
+    now[0] += 61.0
+    budget.spend(1)
+    assert budget.last_minute() == 1  # only the last minute is kept

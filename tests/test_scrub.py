@@ -12,8 +12,8 @@ from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar import signals as S
+from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.scrub import ScrubSettings
-from sidecar.checks.scrub_budget import RecomputeBudget
 from sidecar.core.compose import scrubber_for
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import TierState
@@ -99,7 +99,7 @@ def test_recompute_rate_stays_within_the_budget_measured() -> None:
 
 def test_budget_bucket_never_runs_ahead_of_its_rate() -> None:
     now = [0.0]
-    b = RecomputeBudget(600.0, capacity=50.0, clock=lambda: now[0])  # 10 tokens/s
+    b = RecomputeBudget.per_minute(600.0, capacity=50.0, clock=lambda: now[0])  # 10 tokens/s
     spent = 0
     for _ in range(1000):
         if b.allows(30):

@@ -18,7 +18,7 @@ its findings are ordinary anomalies with evidence.
   (:class:`sidecar.core.protocol.ScrubSource`); without that capability nothing is scrubbed
   and every candidate is counted ``unsupported``.
 * **How much**: a recompute budget in tokens per minute
-  (:class:`sidecar.checks.scrub_budget.RecomputeBudget`), a block
+  (:class:`sidecar.checks.recompute_budget.RecomputeBudget`, the hit path's mechanism), a block
   cap per tick, and no tick at all while samples wait for the verifier or the adapter says
   the engine is busy (``busy()``, optional). The measured rate is exported next to the
   budget.
@@ -46,8 +46,8 @@ from typing import Any
 
 from sidecar import signals as S
 from sidecar.checks.calibration import Calibration
-from sidecar.checks.scrub_budget import RecomputeBudget
-from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
+from sidecar.checks.recompute_budget import RecomputeBudget
+from sidecar.checks.verifier import Sample, Verdict, Verifier
 from sidecar.core import attach
 from sidecar.core.cache_view import CacheView
 from sidecar.core.protocol import Adapter, BlockRef, EngineInfo, Hit, TierState
@@ -123,14 +123,15 @@ class Scrubber:
         self._source = self.capabilities.scrub_source
         self.guard = Guard(deps.adapter_timeout_s)  # a hung scrub_hit wedges only the scrub
         # Its own verifier: same checks, tolerance and calibration, but not the hit path's
-        # recompute budget (the scrub has its own) nor its guard.
-        self.verifier = Verifier(self.adapter, deps.info, self.guard, TokenBucket(0),
+        # recompute budget nor its guard. The scrub's own budget (below) is spent here per
+        # block, so the verifier's is unlimited (0): one budget per job, never two.
+        self.verifier = Verifier(self.adapter, deps.info, self.guard, RecomputeBudget(0),
                                  recompute=deps.recompute, epoch_of=deps.cache.epoch,
                                  calibration=deps.calibration,
                                  capabilities=self.capabilities)
         tick_s = settings.every_s + settings.jitter_s
-        self.budget = RecomputeBudget(settings.tokens_per_minute,
-                                      settings.tokens_per_minute / 60.0 * tick_s, clock)
+        self.budget = RecomputeBudget.per_minute(
+            settings.tokens_per_minute, settings.tokens_per_minute / 60.0 * tick_s, clock=clock)
         self._lock = threading.Lock()
         self._recent: OrderedDict[Key, float] = OrderedDict()  # seen in a sampled hit
         self._priority: OrderedDict[Key, str] = OrderedDict()  # near an anomaly, tier load

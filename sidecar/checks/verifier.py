@@ -40,6 +40,7 @@ from sidecar.checks.fingerprint import check_fingerprint
 from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
+from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
 from sidecar.core.admission import Gate
 from sidecar.core.attach import Capabilities, resolve
@@ -89,36 +90,11 @@ class Verdict:
         return {f.kind for f in self.findings}
 
 
-class TokenBucket:
-    """The recompute budget: at most ``rate`` recomputed tokens per second on average."""
-
-    def __init__(self, rate: float, burst: float | None = None) -> None:
-        self.rate = rate
-        self.capacity = burst if burst is not None else max(rate, 1.0)
-        self._tokens = self.capacity
-        self._at = time.monotonic()
-        self._lock = threading.Lock()
-
-    def take(self, n: float) -> bool:
-        if self.rate <= 0:
-            return True  # unlimited
-        with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-            if n > self.capacity:  # one oversized sample may run when the bucket is full
-                n = self.capacity
-            if self._tokens >= n:
-                self._tokens -= n
-                return True
-            return False
-
-
 class Verifier:
     """Runs the checks of one sample against an adapter (see the module docstring)."""
 
     def __init__(self, adapter: Adapter, info: EngineInfo, guard: Guard,
-                 budget: TokenBucket, recompute: bool = True,
+                 budget: RecomputeBudget, recompute: bool = True,
                  epoch_of: Callable[[int, int], int] | None = None,
                  calibration: Calibration | None = None,
                  max_recomputes: int = 0, max_recoveries: int = 0,

@@ -1,13 +1,13 @@
 """Admission control: caps on the sidecar's own expensive work running at once.
 
-The recompute budget (:class:`sidecar.checks.verifier.TokenBucket`) bounds recomputed tokens per
-second on average; it does not bound how many recomputes run *at the same time*. Those can
-pile up: several threads verifying inline, or recomputes the time limit abandoned
-(:mod:`sidecar.core.time_limits`) that still run on the engine's device. Likewise a burst of hits
-served from an offload tier right after a mass reload would have the sidecar re-read many
-recovered blocks through the tier's load path at once. So each kind of work takes a slot;
-with every slot taken, the sample is dropped at once (``samples_dropped_total{reason=
-"admission"}``), never queued behind the work it would add to.
+The recompute budget (:class:`sidecar.checks.recompute_budget.RecomputeBudget`) bounds
+recomputed tokens per second on average; it does not bound how many recomputes run *at the
+same time*. Those can pile up: several threads verifying inline, or recomputes the time
+limit abandoned (:mod:`sidecar.core.time_limits`) that still run on the engine's device.
+Likewise a burst of hits served from an offload tier right after a mass reload would have
+the sidecar re-read many recovered blocks through the tier's load path at once. So each
+kind of work takes a slot; with every slot taken, the sample is dropped at once
+(``samples_dropped_total{reason="admission"}``), never queued behind the work it would add to.
 
 A slot is released when the work really ends: a recompute abandoned by the time limit
 keeps its slot until the adapter call returns on its own.

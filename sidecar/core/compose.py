@@ -20,8 +20,9 @@ from sidecar import signals as S
 from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog
 from sidecar.allocator.poller import AllocatorPoller
 from sidecar.checks.calibration import Calibration, calibration_config
+from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.scrub import Scrubber, ScrubDeps, ScrubSettings
-from sidecar.checks.verifier import TokenBucket, Verifier
+from sidecar.checks.verifier import Verifier
 from sidecar.core import hook_input as HI
 from sidecar.core.attach import Capabilities
 from sidecar.core.cache_view import CacheView
@@ -58,7 +59,8 @@ def wire(mon: Any, registry: CollectorRegistry | None, caps: Capabilities) -> No
                                     reject=lambda hook, why: mon._reject(hook, why))
     mon.lifecycle.before_read = mon.journal.drain
     mon.cache = cache = CacheView(mon.journal, mon.stored)
-    mon.verifier = Verifier(adapter, info, mon.guard, TokenBucket(c.recompute_tokens_per_s),
+    mon.verifier = Verifier(adapter, info, mon.guard,
+                            RecomputeBudget(c.recompute_tokens_per_s, full=True),
                             recompute=c.recompute, epoch_of=cache.epoch,
                             calibration=Calibration(info.dtype, info.kv_storage,
                                                     calibration_config(c), model=info.model),
