@@ -11,7 +11,6 @@ from sidecar.allocator.invariants import Violation, check_counts, check_snapshot
 from sidecar.allocator.leak import LeakTrend, unheld_from_state
 from sidecar.allocator.lifecycle import LifecycleEvent, LifecycleLog, LifecycleOp
 from sidecar.allocator.poll_health import AllocatorHealth, allocation_failure_rate
-from sidecar.allocator.trigger import PollTrigger
 
 __all__ = [
     "AllocatorHealth",
@@ -19,7 +18,6 @@ __all__ = [
     "LifecycleEvent",
     "LifecycleLog",
     "LifecycleOp",
-    "PollTrigger",
     "Violation",
     "allocation_failure_rate",
     "check_counts",

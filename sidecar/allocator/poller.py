@@ -1,9 +1,17 @@
 """Allocator polling: the engine's allocator state and invariants, on a schedule and on events.
 
-The Monitor starts it itself (no separate ``Jobs`` to remember): an APScheduler interval job
-every ``every_s`` is the floor, and the hooks that mark a moment where allocator bugs strike
-(a release, a finished request, an anomaly) nudge an event-driven poll
-(:class:`sidecar.allocator.PollTrigger`). Both call :meth:`AllocatorPoller.poll`, serialised.
+The Monitor starts it itself (no separate ``Jobs`` to remember). One runner, APScheduler
+(the project's scheduler), runs both kinds of poll, each :meth:`AllocatorPoller.poll`,
+serialised:
+
+* **scheduled**: an interval job every ``every_s``, the floor;
+* **nudged**: the schedule polls every second or so, and a bug that frees a block on
+  request N and lets it be reused on request N+1 needs a check in between. So the hooks that
+  mark a moment where allocator bugs strike (a sequence releasing its blocks, a request
+  finishing, an anomaly) call :meth:`AllocatorPoller.nudge`, which adds a one-shot job due
+  ``min_interval_s`` after the last nudged poll began (so a busy engine costs at most one
+  check per interval). While that job is due, a nudge is one attribute read; nudges that
+  arrive while it runs ask for one more poll, never a backlog.
 
 The poller has its own time-limit guard: a hung ``allocator()`` or ``block_tables()`` can
 only wedge polling, never the verifier's reads and recomputes (and the reverse).
@@ -15,10 +23,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.allocator import AllocatorHealth, PollTrigger
+from sidecar.allocator import AllocatorHealth
 from sidecar.core import hook_input as HI
 from sidecar.core.capabilities import AllocatorIntrospection
 from sidecar.core.protocol import Adapter, AllocatorState, BlockTableSnapshot
@@ -42,17 +51,47 @@ class AllocatorPoller:
         # The adapter's block-level state, as resolved at attach (sidecar.core.attach).
         self._introspection = introspection
         self._lock = threading.Lock()
-        self.trigger: PollTrigger | None = None
-        if min_interval_s >= 0:
-            self.trigger = PollTrigger(self.poll, min_interval_s)
+        if min_interval_s == min_interval_s and min_interval_s >= 0:  # NaN: no nudged polls
+            self.min_interval_s: float | None = min_interval_s
+        else:
+            self.min_interval_s = None
         self._scheduler: Any = None
+        # True while a nudged poll is due (or nudges do nothing: not started, or none asked
+        # for): the hot path's one read. Cleared by the nudged poll as it begins.
+        self._nudge_due = True
+        self._last_nudged = -float("inf")  # monotonic start of the last nudged poll
+        self.nudged_polls = 0
         self.polls = 0
         self.last_poll: float | None = None
 
     def nudge(self) -> None:
-        """Ask for a poll soon (hot path: one Event.set(), only when not already set)."""
-        if self.trigger is not None:
-            self.trigger.nudge()
+        """Ask for a poll soon (hot path: one attribute read while a poll is already due;
+        else one one-shot job added; never raises into the engine's hook)."""
+        if self._nudge_due:
+            return
+        self._nudge_due = True
+        wait = self._last_nudged + (self.min_interval_s or 0.0) - time.monotonic()
+        run_date = datetime.now(UTC) + timedelta(seconds=wait) if wait > 0 else None
+        try:
+            # max_instances=2: a nudge during a nudged poll queues one more (it waits on the
+            # poll lock); misfire_grace_time=None: a late scheduler still runs it, or nudges
+            # would stay "due" for good.
+            self._scheduler.add_job(self._nudged, "date", run_date=run_date, id="nudged",
+                                    replace_existing=True, max_instances=2,
+                                    misfire_grace_time=None)
+        except Exception:  # the scheduler stopped under us: nothing to nudge
+            log.debug("allocator poll nudge not scheduled", exc_info=True)
+
+    def _nudged(self) -> None:
+        """The nudged poll: the interval counts from its start; a nudge from now on asks
+        for the next one."""
+        self._last_nudged = time.monotonic()
+        self._nudge_due = False
+        try:
+            self.poll()
+            self.nudged_polls += 1
+        except Exception:
+            log.exception("event-driven allocator poll failed (next nudge retries)")
 
     def poll(self) -> AllocatorState | None:
         """Ask the adapter for allocator state and, where it offers them, its block tables
@@ -104,18 +143,20 @@ class AllocatorPoller:
             return None
 
     def start(self) -> None:
-        if self.trigger is not None and self._introspection is not None:
-            self.trigger.start()
-        if self.every_s > 0 and self._scheduler is None:
-            from apscheduler.schedulers.background import BackgroundScheduler
+        nudged = self.min_interval_s is not None and self._introspection is not None
+        if self._scheduler is not None or not (self.every_s > 0 or nudged):
+            return
+        from apscheduler.schedulers.background import BackgroundScheduler
 
-            # coalesce + max_instances=1: a slow adapter never stacks up overlapping polls.
-            self._scheduler = BackgroundScheduler(
-                daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
+        # coalesce + max_instances=1: a slow adapter never stacks up overlapping polls.
+        self._scheduler = BackgroundScheduler(
+            daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
+        if self.every_s > 0:
             self._scheduler.add_job(self._scheduled, "interval", seconds=self.every_s,
                                     id="allocator")
             self.poll()  # publish real values before the first scrape
-            self._scheduler.start()
+        self._scheduler.start()
+        self._nudge_due = not nudged
 
     @property
     def alive(self) -> bool:
@@ -123,8 +164,11 @@ class AllocatorPoller:
         return self.every_s <= 0 or (self._scheduler is not None and self._scheduler.running)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.trigger is not None:
-            self.trigger.stop(timeout_s)
+        """Stop both kinds of poll; a poll under way gets up to ``timeout_s`` to finish (each
+        of its adapter calls is time limited)."""
+        self._nudge_due = True  # nudges do nothing from here on
         if self._scheduler is not None and self._scheduler.running:
             self._scheduler.shutdown(wait=False)
         self._scheduler = None
+        if self._lock.acquire(timeout=max(timeout_s, 0.0)):
+            self._lock.release()
