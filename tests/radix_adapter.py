@@ -27,6 +27,8 @@ from tests.radix_engine import RadixEngine, Running
 
 
 class RadixAdapter:
+    reference_kind = "engine"  # recomputes through the engine's own model (engine.model)
+
     def __init__(self, engine: RadixEngine) -> None:
         self.engine, self.bs = engine, engine.block_size
         self.runs, self.hook_errors = SlotBlocks(self.bs), 0  # block id (last slot) -> slots

@@ -191,7 +191,7 @@ def _broken_engine_run(profile: str | None) -> tuple[int, float]:
 
 def test_restart_with_a_saved_profile_beside_a_broken_engine_keeps_catching() -> None:
     flagged, tol = _broken_engine_run(str(SHIPPED_PROFILE))
-    entry = load_profile(SHIPPED_PROFILE).find("tiny-llama", "bfloat16", None, "independent")
+    entry = load_profile(SHIPPED_PROFILE).find("tiny-llama", "bfloat16", None, "engine")
     assert entry is not None and tol <= entry.tolerance < 0.096  # under fp8's smallest error
     assert flagged > 0
     blind, tol_blind = _broken_engine_run(None)  # what an in-memory calibration learns
@@ -204,7 +204,7 @@ def test_shipped_profile_covers_every_demo_model_and_dtype() -> None:
     names = {"reference": "tiny-llama", "hybrid": "tiny-gemma2", "recurrent": "tiny-lfm2"}
     for dtype in ("float32", "bfloat16", "float16"):
         for model in names.values():
-            entry = prof.find(model, dtype, None, "independent")
+            entry = prof.find(model, dtype, None, "engine")
             assert entry is not None, (model, dtype)
             assert entry.blocks >= 500
             assert entry.tolerance == pytest.approx(min(tolerance_for(dtype), max(
@@ -216,7 +216,7 @@ def test_shipped_profile_covers_every_demo_model_and_dtype() -> None:
 
 def test_calibrate_measures_a_clean_engine_and_refuses_too_few_blocks(tmp_path: Path) -> None:
     entry = measure("reference", "float32", 12, 0, 4.0, 8)
-    assert entry.model == "tiny-llama" and entry.reference == "independent"
+    assert entry.model == "tiny-llama" and entry.reference == "engine"
     assert entry.blocks >= 8 and 0 < entry.floor < 1e-4
     assert entry.tolerance == min_tolerance("float32")
     with pytest.raises(ValueError, match="clean blocks"):

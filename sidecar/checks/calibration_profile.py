@@ -13,7 +13,7 @@ engine does not say whether prefill or decode wrote a block). The file is small 
 
     {"format": "kv-sidecar-calibration/1",
      "entries": [{"engine": "reference", "model": "tiny-llama", "dtype": "bfloat16",
-                  "kv_storage": null, "reference": "independent", "write_path": "all",
+                  "kv_storage": null, "reference": "engine", "write_path": "all",
                   "floor": 0.0256, "tolerance": 0.102, "multiple": 4.0, "blocks": 5238}]}
 
 It is read like any file from outside: size-capped, every field type-checked, every number

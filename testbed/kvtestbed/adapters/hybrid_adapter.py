@@ -44,6 +44,10 @@ class HybridReferenceAdapter:
     """Implements :class:`sidecar.core.protocol.Adapter` and
     :class:`sidecar.core.protocol.AllocatorIntrospection` for a :class:`HybridEngine`."""
 
+    # The recompute runs through the engine's own model object (``engine.model.forward``),
+    # never through the cache, but an error in that model is shared (REFERENCE_KINDS).
+    reference_kind = "engine"
+
     def __init__(self, engine: HybridEngine) -> None:
         self.engine = engine
         mc = engine.config.model

@@ -31,6 +31,10 @@ class ReferenceAdapter:
     """Implements :class:`sidecar.core.protocol.Adapter` and
     :class:`sidecar.core.protocol.AllocatorIntrospection` for a :class:`ReferenceEngine`."""
 
+    # The recompute runs through the engine's own model object (``engine.model.prefill``):
+    # an error in that model is shared by cache and reference (REFERENCE_KINDS).
+    reference_kind = "engine"
+
     def __init__(self, engine: ReferenceEngine, capture_slots: int | None = None) -> None:
         self.engine = engine
         # Match-time captures go to a bounded buffer on the pool's device (async on CUDA,
