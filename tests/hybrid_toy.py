@@ -106,7 +106,7 @@ class HybridToyEngine:
         hit = None
         if n_full:
             blocks = self.table(tokens, n_full)
-            states = {g: [self.tier.get((g, b), TierState.RESIDENT) for b in ids]
+            states = {g: [self.tier.get((g, b)) for b in ids]  # None: resident, no padding
                       for g, ids in blocks.items() if any((g, b) in self.tier for b in ids)}
             if edit is not None:
                 edit(blocks, states)

@@ -9,6 +9,7 @@ import random
 
 from sidecar.allocator import LifecycleLog, LifecycleOp
 from sidecar.core.journal import CacheEventJournal
+from sidecar.core.journal_hooks import free_event, lifecycle_event, store_event
 from sidecar.core.protocol import StoredBlock
 from sidecar.core.store_index import StoreIndex
 
@@ -53,16 +54,16 @@ def test_journal_drain_matches_one_record_per_event() -> None:
     journal = CacheEventJournal(index, log)
     for i in range(300):
         b = _block(i, gen=i // 40 + 1)
-        journal.store(b)
+        journal.append(store_event(b))
         direct_index.record(b)
         direct_log.record(LifecycleOp.STORE, 0, i, (b.block_id,), (b.generation,),
                           b.prefix_tokens + 4)
         if i % 5 == 4:
-            journal.free(0, [i % 40, (i + 7) % 40])
+            journal.append(free_event(0, [i % 40, (i + 7) % 40]))
             direct_index.forget(0, [i % 40, (i + 7) % 40])
             direct_log.record(LifecycleOp.EVICT, 0, None, (i % 40, (i + 7) % 40))
         if i % 9 == 0:
-            journal.lifecycle_event(LifecycleOp.ALLOCATE, 0, i, [i % 40], [2])
+            journal.append(lifecycle_event(LifecycleOp.ALLOCATE, 0, i, [i % 40], [2]))
             direct_log.record(LifecycleOp.ALLOCATE, 0, i, (i % 40,), (2,))
     assert journal.drain() == 300 + 60 + 34
     assert index._records == direct_index._records
@@ -77,9 +78,10 @@ def test_journal_drain_rejects_out_of_range_stores_and_applies_the_rest() -> Non
                                 reject=lambda hook, why: rejected.append((hook, why)) or
                                 why is not None)
     for block_id, generation in ((-1, 1), (3, True), (4, 1)):
-        journal.store(StoredBlock(group_id=0, block_id=block_id, generation=generation,
-                                  tokens=[1, 2], prefix_tokens=0))
-    journal.free(1 << 20, [4])
+        journal.append(store_event(StoredBlock(group_id=0, block_id=block_id,
+                                               generation=generation, tokens=[1, 2],
+                                               prefix_tokens=0)))
+    journal.append(free_event(1 << 20, [4]))
     assert journal.drain() == 4
     assert [(h, w is not None) for h, w in rejected] == [("on_store", True)] * 2 + [
         ("on_free", True)]

@@ -2,8 +2,9 @@
 
 Indexing a stored block (chaining its token digest, bumping its epoch, keeping the LRU bound,
 logging it in the block lifecycle) costs microseconds of Python; the engine's ``on_store`` and
-``on_free`` only append one tuple here (plus the block's own token hash, so the engine may
-reuse its token list as soon as the hook returns); the other block-lifecycle events
+``on_free`` only append one tuple here, with the block's own token hash so the engine may
+reuse its token list as soon as the hook returns (the tuples' format lives in
+:mod:`sidecar.core.journal_hooks`); the other block-lifecycle events
 (allocate, release, hit) go through it too, so the lifecycle log keeps the engine's order.
 The journal is applied, in order, to the :class:`~sidecar.core.store_index.StoreIndex` and the
 lifecycle log by a sidecar thread every ``interval_s`` (or as soon as ``wake_at`` events
@@ -21,13 +22,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from sidecar.allocator import LifecycleLog, LifecycleOp
-from sidecar.checks.keys import tokens_hash
 from sidecar.core.hook_input import (
     MAX_BLOCK_ID,
     MAX_GROUP,
@@ -36,21 +35,19 @@ from sidecar.core.hook_input import (
     check_blocks,
     check_store,
 )
+from sidecar.core.journal_hooks import FREE_EVENT as _FREE
+from sidecar.core.journal_hooks import STORE_EVENT as _STORE
 from sidecar.core.protocol import StoredBlock
 from sidecar.core.store_index import StoreIndex
 from sidecar.signals import InputReject
 
 log = logging.getLogger(__name__)
 
-_STORE, _FREE, _LIFECYCLE = 0, 1, 2
 # The hook a lifecycle event came through, for the reject counter's label.
 _LIFECYCLE_HOOK = {LifecycleOp.ALLOCATE: "on_allocate", LifecycleOp.FREE: "on_release",
                    LifecycleOp.HIT: "on_lookup"}
-# The event kinds, for hooks that append inline (see ``events``).
-STORE_EVENT, FREE_EVENT, LIFECYCLE_EVENT = _STORE, _FREE, _LIFECYCLE
 _OP_STORE, _OP_EVICT = LifecycleOp.STORE, LifecycleOp.EVICT
 _MAX_GENERATION = 1 << 62  # as sidecar.core.hook_input.check_store
-_now = time.time
 
 
 def _plain_ids(ids: tuple[Any, ...], hi: int) -> bool:
@@ -86,38 +83,19 @@ class CacheEventJournal:
         self.applied = 0
 
     # ------------------------------------------------------------------ engine thread
-    # The Monitor's hooks append these same tuples to ``events`` inline (a method call is a
-    # third of an O(1) hook, sidecar.core.journal_hooks); these methods are the reference form.
-    def store(self, block: StoredBlock) -> None:
+    # The event tuples are built by sidecar.core.journal_hooks (where their format lives):
+    # inline in the Monitor's hooks, or with its store_event/free_event/lifecycle_event.
+    def append(self, event: tuple[Any, ...]) -> None:
+        """Journal one event built by :mod:`sidecar.core.journal_hooks`."""
         pending = self._pending
         if len(pending) >= self.wake_at:
             self._nudge()
-        try:
-            digest: int | None = tokens_hash(block.tokens)
-        except TypeError:  # unhashable token values: rejected when applied, never raised
-            digest = None
-        pending.append((_STORE, block, digest, _now()))
-
-    def free(self, group_id: int, block_ids: Sequence[int]) -> None:
-        pending = self._pending
-        if len(pending) >= self.wake_at:
-            self._nudge()
-        pending.append((_FREE, group_id, tuple(block_ids), _now()))
-
-    def lifecycle_event(self, op: LifecycleOp, group_id: int, seq_id: Any,
-                        block_ids: Sequence[int], generations: Sequence[int] = (),
-                        length: int | None = None) -> None:
-        """A lifecycle-only event (allocate, release, hit), kept in order with the rest."""
-        pending = self._pending
-        if len(pending) >= self.wake_at:
-            self._nudge()
-        pending.append((_LIFECYCLE, op, group_id, seq_id, tuple(block_ids),
-                        tuple(generations), length, _now()))
+        pending.append(event)
 
     @property
     def events(self) -> deque[tuple[Any, ...]]:
-        """The pending events, for hooks that append in the forms above inline (engine
-        thread only; check ``len(events) >= wake_at`` first and call :meth:`nudge`)."""
+        """The pending events, for hooks that append their tuples inline (engine thread
+        only; check ``len(events) >= wake_at`` first and call :meth:`nudge`)."""
         return self._pending
 
     def nudge(self) -> None:

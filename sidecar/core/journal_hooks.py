@@ -3,10 +3,12 @@ O(1) door check and one tuple appended to the cache-event journal, inline.
 
 Kept out of :mod:`sidecar.core.monitor` (one job per module) as a mixin the Monitor inherits:
 the hooks must read the Monitor's attributes directly, since a delegating call would be a
-third of an O(1) hook (issue 22 counts every instruction the engine's process pays). The
-tuples are :class:`~sidecar.core.journal.CacheEventJournal`'s own forms (its ``store``/``free``/
-``lifecycle_event`` methods are the reference); the journal runs the full input checks of
-:mod:`sidecar.core.hook_input` when it applies them, off the engine's thread.
+third of an O(1) hook (issue 22 counts every instruction the engine's process pays).
+
+This module is where the journal's event format lives (:data:`STORE_EVENT` and its kin, and
+:func:`store_event`, :func:`free_event`, :func:`lifecycle_event`, the reference form of each
+tuple the hooks build inline); :class:`~sidecar.core.journal.CacheEventJournal` applies them,
+running the full input checks of :mod:`sidecar.core.hook_input` off the engine's thread.
 
 Bad input never raises out of a hook: anything that fails the door check goes to the full
 check, whose reason is counted (``hook_input_rejected_total{hook, reason}``) and the event
@@ -19,11 +21,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.allocator import LifecycleOp
 from sidecar.core import hook_input as HI
-from sidecar.core.journal import FREE_EVENT, LIFECYCLE_EVENT, STORE_EVENT, CacheEventJournal
 from sidecar.core.protocol import SequenceId, StoredBlock
 
 _TOKEN_SEQS = (list, tuple, range)  # sequences the O(1) door lets through unexamined
@@ -31,11 +32,51 @@ _OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE, LifecycleOp.FREE
 _MAX_TOKENS, _MAX_GROUP, _MAX_BLOCK_TOKENS = HI.MAX_TOKENS, HI.MAX_GROUP, HI.MAX_BLOCK_TOKENS
 _now = time.time
 
+# ---------------------------------------------------------------- the event format
+# Each event is a plain tuple (the cheapest thing to build on the engine's thread), its first
+# element the kind; ``at`` is wall-clock time.time() when the hook ran:
+#   (STORE_EVENT, block: StoredBlock, token_hash: int | None, at)
+#   (FREE_EVENT, group_id, block_ids: tuple, at)
+#   (LIFECYCLE_EVENT, op: LifecycleOp, group_id, seq_id, block_ids: tuple,
+#    generations: tuple, length: int | None, at)
+STORE_EVENT, FREE_EVENT, LIFECYCLE_EVENT = 0, 1, 2
+
+
+def store_event(block: StoredBlock) -> tuple[Any, ...]:
+    """A store, with the block's own token hash (:func:`sidecar.checks.keys.tokens_hash`),
+    so the engine may reuse its token list once the hook returns; ``None`` when the tokens
+    cannot be hashed (rejected when applied, never raised)."""
+    try:
+        digest: int | None = hash(tuple(block.tokens))
+    except Exception:
+        digest = None
+    return (STORE_EVENT, block, digest, _now())
+
+
+def free_event(group_id: int, block_ids: Sequence[int]) -> tuple[Any, ...]:
+    return (FREE_EVENT, group_id, tuple(block_ids), _now())
+
+
+def lifecycle_event(op: LifecycleOp, group_id: int, seq_id: Any, block_ids: Sequence[int],
+                    generations: Sequence[int] = (), length: int | None = None
+                    ) -> tuple[Any, ...]:
+    """A lifecycle-only event (allocate, release, hit), kept in order with the rest."""
+    return (LIFECYCLE_EVENT, op, group_id, seq_id, tuple(block_ids), tuple(generations),
+            length, _now())
+
+
+class EventJournal(Protocol):
+    """What the hooks need of :class:`~sidecar.core.journal.CacheEventJournal`."""
+
+    wake_at: int
+
+    def nudge(self) -> None: ...
+
 
 class JournaledHooks:
     """The Monitor's store/free/allocate/release hooks (see the module docstring)."""
 
-    journal: CacheEventJournal
+    journal: EventJournal
     _journal_events: deque[tuple[Any, ...]]
     _sampler_store: Callable[[StoredBlock], Any] | None
     _sampler_free: Callable[[int, Sequence[int]], Any] | None
@@ -59,7 +100,7 @@ class JournaledHooks:
                 digest: int | None = hash(tuple(block.tokens))
             except Exception:  # unhashable or unreadable tokens: rejected when applied
                 digest = None
-            events = self._journal_events  # journal.store, inline
+            events = self._journal_events  # store_event, inline
             if len(events) >= self.journal.wake_at:
                 self.journal.nudge()
             events.append((STORE_EVENT, block, digest, _now()))
@@ -79,7 +120,7 @@ class JournaledHooks:
             except Exception:  # a sequence that cannot be read: refused, not raised
                 self._reject("on_free", HI.InputReject.TYPE)
                 return
-            events = self._journal_events  # journal.free, inline
+            events = self._journal_events  # free_event, inline
             if len(events) >= self.journal.wake_at:
                 self.journal.nudge()
             events.append((FREE_EVENT, group_id, ids, _now()))
@@ -104,7 +145,7 @@ class JournaledHooks:
             except Exception:  # a sequence that cannot be read: refused, not raised
                 self._reject("on_allocate", HI.InputReject.TYPE)
                 return
-            events = self._journal_events  # journal.lifecycle_event, inline
+            events = self._journal_events  # lifecycle_event, inline
             if len(events) >= self.journal.wake_at:
                 self.journal.nudge()
             events.append((LIFECYCLE_EVENT, _OP_ALLOCATE, group_id, seq_id, ids, gens, None,
@@ -125,7 +166,7 @@ class JournaledHooks:
             except Exception:  # a sequence that cannot be read: refused, not raised
                 self._reject("on_release", HI.InputReject.TYPE)
                 return
-            events = self._journal_events  # journal.lifecycle_event, inline
+            events = self._journal_events  # lifecycle_event, inline
             if len(events) >= self.journal.wake_at:
                 self.journal.nudge()
             events.append((LIFECYCLE_EVENT, _OP_FREE, group_id, seq_id, ids, (), None, _now()))

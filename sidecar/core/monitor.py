@@ -36,7 +36,8 @@ from sidecar.core.cache_view import CacheView
 from sidecar.core.compose import wire
 from sidecar.core.dispatch import Dispatcher
 from sidecar.core.hit_input import check_sampled_hit
-from sidecar.core.journal_hooks import JournaledHooks
+from sidecar.core.journal import CacheEventJournal
+from sidecar.core.journal_hooks import JournaledHooks, lifecycle_event
 from sidecar.core.protocol import (
     Adapter,
     AllocatorState,
@@ -72,6 +73,7 @@ class Monitor(JournaledHooks):
     collaborators are built and set by :func:`sidecar.core.compose.wire`."""
 
     metrics: Metrics
+    journal: CacheEventJournal  # the hooks need only sidecar.core.journal_hooks.EventJournal
     stored: StoreIndex
     lifecycle: LifecycleLog
     cache: CacheView
@@ -256,8 +258,9 @@ class Monitor(JournaledHooks):
     def _log_hit(self, hit: Hit, seq_id: SequenceId | None, hit_tokens: int | None) -> None:
         """The lifecycle's hit event, per group: for sampled hits only (O(prefix))."""
         for group_id, blocks in hit.blocks.items():
-            self.journal.lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
-                                         hit.generations.get(group_id, ()), hit_tokens)
+            self.journal.append(lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
+                                                hit.generations.get(group_id, ()),
+                                                hit_tokens))
 
     def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
         """Count a rejected hook input (``hook_input_rejected_total{hook,reason}``) through

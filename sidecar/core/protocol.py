@@ -162,7 +162,7 @@ class Hit:
     # through a tier. Absent = device-resident, per block: a group not listed, a list that
     # ends before the block, or ``None`` at its position (no padding with RESIDENT).
     # Served while not resident/loaded = anomaly.
-    tier_states: Mapping[int, Sequence[TierState]] = field(default_factory=dict)
+    tier_states: Mapping[int, Sequence[TierState | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

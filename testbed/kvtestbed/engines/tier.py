@@ -107,12 +107,13 @@ def copy_layer(pool: BlockPool, block_id: int, data: BlockData, layer: int) -> N
 
 
 def hit_tier_states(group_id: int, num_hit: int, loaded: Sequence[TierState]
-                    ) -> dict[int, tuple[TierState, ...]]:
+                    ) -> dict[int, tuple[TierState | None, ...]]:
     """``Hit.tier_states`` for a hit of ``num_hit`` blocks whose last ``len(loaded)`` came
-    through the tier (the pool's own hits before them are resident); empty when none did."""
+    through the tier; the pool's own hits before them are ``None`` (device-resident: the
+    protocol's "absent = resident", no padding with RESIDENT); empty when none did."""
     if not loaded:
         return {}
-    return {group_id: (S.RESIDENT,) * (num_hit - len(loaded)) + tuple(loaded)}
+    return {group_id: (None,) * (num_hit - len(loaded)) + tuple(loaded)}
 
 
 def finish(loads: Sequence[Load], timeout_s: float) -> None:
