@@ -11,8 +11,9 @@ Subcommands:
   evidence  list and open the anomaly evidence records (``evidence show ID --plot out.png``)
 
 The testbed's commands (demo, faults, bench, actions-demo, calibrate) come from
-:mod:`kvtestbed.commands` when the testbed (``testbed/``, ``pip install ./testbed``) is
-importable; without it each says so in one line and exits 2.
+:mod:`kvtestbed.parsers` and :mod:`kvtestbed.commands` when the testbed (``testbed/``,
+``pip install ./testbed``) is importable (:mod:`sidecar.cli.testbed_hook`); without it each
+says so in one line and exits 2.
 
 Exit codes: 0 success, 1 a run failed, 2 bad usage (unknown fault, bad flag value).
 """
@@ -28,33 +29,26 @@ from typing import Any
 
 from sidecar import __version__
 from sidecar.cli.arg_types import UsageError
+from sidecar.cli.testbed_hook import TESTBED_COMMANDS, TESTBED_MISSING, testbed_parsers
 from sidecar.config.layers import ConfigError
 from sidecar.core.extras import MissingExtra, require
 
-# The testbed's commands (kv-sidecar-testbed, `pip install ./testbed`): added by
-# kvtestbed.commands when it is importable -- by path too, as the prebuilt venvs use PYTHONPATH.
-TESTBED_COMMANDS = ("demo", "faults", "bench", "actions-demo", "calibrate")
-TESTBED_MISSING = ("{command}: in the kv-sidecar testbed, which is not installed "
-                   "(`make demo`, or `pip install ./testbed`)")
-
 
 def _testbed() -> Any:
-    """:mod:`kvtestbed.commands` when the testbed is importable, else None. The one place the
-    runtime package reaches into the testbed (tests/test_layout.py holds it to that)."""
-    try:
-        from kvtestbed import commands
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvtestbed":
-            raise
+    """:mod:`kvtestbed.commands` (what runs the testbed's commands) when the testbed is
+    importable, else None; its parsers come through :mod:`sidecar.cli.testbed_hook`."""
+    if testbed_parsers() is None:
         return None
+    from kvtestbed import commands
+
     return commands
 
 
 def _add_testbed_parser(sub: Any, name: str) -> None:
     """The testbed's parser for ``name``, or a placeholder that says where the command is."""
-    testbed = _testbed()
-    if testbed is not None:
-        testbed.add_parser(sub, name)
+    parsers = testbed_parsers()
+    if parsers is not None:
+        parsers.add_parser(sub, name)
         return
     stub = sub.add_parser(name, add_help=False, help="(in the testbed: `pip install ./testbed`)")
     stub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -112,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_guard_parser(sub)  # the cache-bypass guard (sidecar/protect/)
     add_config_arguments(sub.choices["guard"])
     _add_testbed_parser(sub, "calibrate")  # a calibration profile from a trusted engine
-    if _testbed() is None:
+    if testbed_parsers() is None:
         p.epilog = TESTBED_MISSING.format(command=", ".join(TESTBED_COMMANDS))
     return p
 
@@ -157,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sidecar.adapters.sglang.cli import main as sglang_main
 
         return sglang_main(argv[1:] or ["--help"])
-    if argv[:1] and argv[0] in TESTBED_COMMANDS and _testbed() is None:
+    if argv[:1] and argv[0] in TESTBED_COMMANDS and testbed_parsers() is None:
         print(f"kv-sidecar: error: {TESTBED_MISSING.format(command=argv[0])}", file=sys.stderr)
         return 2
     parser = build_parser()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.cli.testbed_hook import TESTBED_MISSING, testbed_parsers
 from sidecar.config.key_table import SIDECAR, FieldKey, FlagKey, Key
 from sidecar.config.layers import Schema
 from sidecar.config.settings import LIMITS, SidecarConfig
@@ -31,14 +32,36 @@ from sidecar.core.extras import MissingExtra, require
 NOT_KEYS = frozenset({"help", "version", "config", "set", "config_required"})
 
 
-def _main_parser() -> argparse.ArgumentParser:
-    from sidecar.cli.main import build_parser
+def _commands(register: Callable[[Any], None]) -> argparse.ArgumentParser:
+    """A parser holding the subcommands ``register(subparsers)`` adds: each command module
+    registers its own flags, and the schema derives from those, never from the CLI (which
+    configures itself from the schema)."""
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    return p
 
-    return build_parser()
+
+def _demo_parser() -> argparse.ArgumentParser:
+    parsers = testbed_parsers()
+    if parsers is None:
+        raise ImportError(TESTBED_MISSING.format(command="demo"))
+    return _commands(lambda sub: parsers.add_parser(sub, "demo"))
+
+
+def _canary_parser() -> argparse.ArgumentParser:
+    from sidecar.canary.cli import add_parser
+
+    return _commands(add_parser)
+
+
+def _guard_parser() -> argparse.ArgumentParser:
+    from sidecar.protect.cli import add_parser
+
+    return _commands(add_parser)
 
 
 def _vllm_parser() -> argparse.ArgumentParser:
-    from sidecar.adapters.vllm.cli import parser
+    from sidecar.adapters.vllm.arguments import parser
 
     return parser()
 
@@ -58,15 +81,15 @@ _TOLERANCE_FLAGS = {"tolerance": "tolerances", "calibrate": "calibration_samples
                     "calibration_multiple": "calibration_multiple",
                     "calibration_profile": "calibration_profile"}
 COMMANDS: dict[str, Command] = {
-    "demo": Command("demo", _main_parser, ("demo",),
+    "demo": Command("demo", _demo_parser, ("demo",),
                     {"sample_every": "sample_every", "evidence_dir": "evidence_dir",
                      **_TOLERANCE_FLAGS}),
     "vllm": Command("vllm", _vllm_parser, ("serve", "engine-args"),
                     {"blocks_per_sample": "blocks_per_sample", "sample_every": "sample_every",
                      "seed": "seed", "adapter_timeout": "adapter_timeout_s",
                      "recompute_budget": "recompute_tokens_per_s", **_TOLERANCE_FLAGS}),
-    "canary": Command("canary", _main_parser, ("canary",), {}),
-    "guard": Command("guard", _main_parser, ("guard",), {}),  # sidecar/protect/cli.py
+    "canary": Command("canary", _canary_parser, ("canary",), {}),
+    "guard": Command("guard", _guard_parser, ("guard",), {}),  # sidecar/protect/cli.py
 }
 
 
@@ -167,8 +190,6 @@ def build_schema() -> Schema:
         try:
             if command.section in EXTRA_OF:
                 require(EXTRA_OF[command.section])
-            if command.section in TESTBED_SECTIONS:
-                _require_testbed(command.section)
             sections[command.section] = command_keys(command)
         except (MissingExtra, ImportError) as exc:  # the lean runtime: no vLLM adapter
             unavailable[command.section] = str(exc)
@@ -176,12 +197,3 @@ def build_schema() -> Schema:
 
 
 EXTRA_OF = {"vllm": "vllm"}  # sections whose parser needs an extra (sidecar/core/extras.py)
-TESTBED_SECTIONS = ("demo",)  # sections of a testbed command (kvtestbed.commands)
-
-
-def _require_testbed(section: str) -> None:
-    """The lean runtime has no testbed: its commands' sections are unavailable, not unknown."""
-    from sidecar.cli.main import TESTBED_MISSING, _testbed
-
-    if _testbed() is None:
-        raise ImportError(TESTBED_MISSING.format(command=section))

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import shlex
 import signal
 import sys
@@ -24,11 +23,12 @@ import threading
 import time
 from typing import Any
 
+from sidecar.adapters.vllm import arguments
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
-from sidecar.adapters.vllm.hashing import ALGOS
 from sidecar.checks import tolerance
 from sidecar.config.cli import add_config_arguments, configure
 from sidecar.config.layers import ConfigError
+from sidecar.config.schema import subparser
 
 
 def _engine_args(a: argparse.Namespace) -> int:
@@ -122,67 +122,14 @@ def _prefix_reset(a: argparse.Namespace, sc: Any) -> Any:
     return reset
 
 
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or not 0 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"must be 0..86400 seconds, got {text}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sidecar.adapters.vllm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("engine-args", "serve"):
-        s = sub.add_parser(name)
-        s.add_argument("--probe", help="probe socket (the sidecar binds it), e.g. "
-                                       "ipc:///tmp/kvsidecar-probe.sock")
-        s.add_argument("--events", help="vLLM's KV event endpoint, e.g. "
-                                        "ipc:///tmp/vllm-kv-events.sock")
-        s.add_argument("--replay", help="vLLM's KV event replay endpoint")
-        s.add_argument("--blocks-per-sample", type=int, default=2)
-        if name == "engine-args":
-            s.add_argument("--sample-every", type=int, default=100,
-                           help="the probe samples 1 prefix hit in N")
-            s.add_argument("--seed", type=int, default=0)
-            s.set_defaults(fn=_engine_args)
-            continue
-        s.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
-        s.add_argument("--served-model-name", help="defaults to --model, like vLLM")
-        s.add_argument("--dtype", required=True, choices=("float32", "float16", "bfloat16"))
-        s.add_argument("--block-size", type=int, required=True)
-        s.add_argument("--events-bind", action="store_true",
-                       help="bind --events (for a tcp://127.0.0.1:PORT endpoint)")
-        s.add_argument("--hash-algo", default="sha256", choices=ALGOS)
-        s.add_argument("--hash-seed", help="the engine's PYTHONHASHSEED, when it sets one")
-        s.add_argument("--metrics-url", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics")
-        s.add_argument("--engine-url", help="vLLM's server for engine-side recompute")
-        s.add_argument("--reference", default="engine", choices=("engine", "hf", "none"))
-        s.add_argument("--adapter-timeout", type=float, default=10.0)
-        s.add_argument("--recompute-budget", type=float, default=100_000.0,
-                       help="recomputed tokens per second at most (<= 0: unlimited)")
-        s.add_argument("--poll-every", type=float, default=2.0,
-                       help="seconds between reads of vLLM's /metrics")
-        s.add_argument("--host", default="127.0.0.1")
-        s.add_argument("--port", type=int, default=9400)
-        from sidecar.export.otel_push import add_arguments as add_otlp_arguments
-
-        add_otlp_arguments(s)
-        s.add_argument("--reset-prefix-cache", action="store_true",
-                       help="on an anomaly, POST vLLM's /reset_prefix_cache once no request "
-                            "holds blocks (retried with backoff; needs --engine-url and vLLM "
-                            "started with VLLM_SERVER_DEV_MODE=1; off by default)")
-        s.add_argument("--reset-min-interval", type=_interval, default=300.0,
-                       help="seconds between two resets at most (rate limit; default 300)")
-        s.add_argument("--duration", type=float, default=0.0,
-                       help="stop after this many seconds and print the summary (0: run)")
-        tolerance.add_arguments(s)
-        s.set_defaults(fn=_serve)
-    for name in ("engine-args", "serve"):  # --config FILE, --set (sidecar/config/cli.py)
-        add_config_arguments(sub.choices[name])
+    """The full parser: the flags (:mod:`sidecar.adapters.vllm.arguments`), what runs each
+    subcommand, and ``--config``/``--set``."""
+    p = arguments.parser(__doc__)
+    for name, run in (("engine-args", _engine_args), ("serve", _serve)):
+        s = subparser(p, name)
+        s.set_defaults(fn=run)
+        add_config_arguments(s)  # --config FILE, --set (sidecar/config/cli.py)
     return p
 
 

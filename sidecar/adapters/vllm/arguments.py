@@ -1,0 +1,76 @@
+"""The flags of ``python -m sidecar.adapters.vllm`` (``kv-sidecar vllm``), apart from what runs
+them (:mod:`sidecar.adapters.vllm.cli`), so the configuration schema
+(:mod:`sidecar.config.schema`) derives its ``[vllm]`` section from them without importing the
+command that configures itself from that schema (no import circle)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from sidecar.adapters.vllm.hashing import ALGOS
+from sidecar.checks import tolerance
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be 0..86400 seconds, got {text}")
+    return value
+
+
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The flags of ``engine-args`` and ``serve`` (what the config schema's ``[vllm]``
+    section derives from); :func:`sidecar.adapters.vllm.cli.parser` adds what runs them."""
+    p = argparse.ArgumentParser(prog="python -m sidecar.adapters.vllm", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("engine-args", "serve"):
+        s = sub.add_parser(name)
+        s.add_argument("--probe", help="probe socket (the sidecar binds it), e.g. "
+                                       "ipc:///tmp/kvsidecar-probe.sock")
+        s.add_argument("--events", help="vLLM's KV event endpoint, e.g. "
+                                        "ipc:///tmp/vllm-kv-events.sock")
+        s.add_argument("--replay", help="vLLM's KV event replay endpoint")
+        s.add_argument("--blocks-per-sample", type=int, default=2)
+        if name == "engine-args":
+            s.add_argument("--sample-every", type=int, default=100,
+                           help="the probe samples 1 prefix hit in N")
+            s.add_argument("--seed", type=int, default=0)
+            continue
+        s.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
+        s.add_argument("--served-model-name", help="defaults to --model, like vLLM")
+        s.add_argument("--dtype", required=True, choices=("float32", "float16", "bfloat16"))
+        s.add_argument("--block-size", type=int, required=True)
+        s.add_argument("--events-bind", action="store_true",
+                       help="bind --events (for a tcp://127.0.0.1:PORT endpoint)")
+        s.add_argument("--hash-algo", default="sha256", choices=ALGOS)
+        s.add_argument("--hash-seed", help="the engine's PYTHONHASHSEED, when it sets one")
+        s.add_argument("--metrics-url", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics")
+        s.add_argument("--engine-url", help="vLLM's server for engine-side recompute")
+        s.add_argument("--reference", default="engine", choices=("engine", "hf", "none"))
+        s.add_argument("--adapter-timeout", type=float, default=10.0)
+        s.add_argument("--recompute-budget", type=float, default=100_000.0,
+                       help="recomputed tokens per second at most (<= 0: unlimited)")
+        s.add_argument("--poll-every", type=float, default=2.0,
+                       help="seconds between reads of vLLM's /metrics")
+        s.add_argument("--host", default="127.0.0.1")
+        s.add_argument("--port", type=int, default=9400)
+        from sidecar.export.otel_push import add_arguments as add_otlp_arguments
+
+        add_otlp_arguments(s)
+        s.add_argument("--reset-prefix-cache", action="store_true",
+                       help="on an anomaly, POST vLLM's /reset_prefix_cache once no request "
+                            "holds blocks (retried with backoff; needs --engine-url and vLLM "
+                            "started with VLLM_SERVER_DEV_MODE=1; off by default)")
+        s.add_argument("--reset-min-interval", type=_interval, default=300.0,
+                       help="seconds between two resets at most (rate limit; default 300)")
+        s.add_argument("--duration", type=float, default=0.0,
+                       help="stop after this many seconds and print the summary (0: run)")
+        tolerance.add_arguments(s)
+    return p
+
+
