@@ -23,7 +23,7 @@ rollout (a canary) as a bad GPU, and the per-replica page stands alone.
 
 from __future__ import annotations
 
-from alerts.rules import (
+from alerts.rule_parts import (
     _Q,
     ANOMALIES_RECENT,
     PAGE,

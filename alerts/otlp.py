@@ -4,7 +4,7 @@ it), so failed batches warn like failing hooks do: any in the event window, for 
 
 from __future__ import annotations
 
-from alerts.rules import _COUNT, _Q, _WHERE, WARNING, Alert, MixinConfig, Recording, _name
+from alerts.rule_parts import _COUNT, _Q, _WHERE, WARNING, Alert, MixinConfig, Recording, _name
 from sidecar import signals as S
 
 OTLP_FAILURES_RECENT = _name("instance_signal_reason", S.OTLP_EXPORT_FAILURES, "increase10m")

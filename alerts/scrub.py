@@ -3,7 +3,7 @@ is silent otherwise: idle entries go unverified while every other signal looks c
 
 from __future__ import annotations
 
-from alerts.rules import _Q, _WHERE, WARNING, Alert, MixinConfig, duration
+from alerts.rule_parts import _Q, _WHERE, WARNING, Alert, MixinConfig, duration
 from sidecar import signals as S
 from sidecar.signals import THRESHOLDS
 
