@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import ModuleType
 
 import kvtestbed
 
@@ -18,10 +19,11 @@ import sidecar
 KNOWN: set[frozenset[str]] = set()
 
 
-def package_modules() -> dict[str, Path]:
-    """Every module of the runtime (``sidecar``) and the testbed (``kvtestbed``), by name."""
+def package_modules(packages: tuple[ModuleType, ...] = (sidecar, kvtestbed)) -> dict[str, Path]:
+    """Every module of the runtime (``sidecar``) and the testbed (``kvtestbed``), by name (or
+    of ``packages``)."""
     modules: dict[str, Path] = {}
-    for package in (sidecar, kvtestbed):
+    for package in packages:
         root = Path(package.__file__).parent
         for path in root.rglob("*.py"):
             parts = (package.__name__, *path.relative_to(root).with_suffix("").parts)
