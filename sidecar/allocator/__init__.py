@@ -7,6 +7,7 @@ tables and the checks here recompute who holds what; nothing asks the engine whe
 thinks it is healthy.
 """
 
+from sidecar.allocator.hit_counter import HitCounterAudit
 from sidecar.allocator.invariants import Violation, check_counts, check_snapshot, unheld_references
 from sidecar.allocator.leak import LeakTrend, unheld_from_state
 from sidecar.allocator.lifecycle import LifecycleEvent, LifecycleLog, LifecycleOp
@@ -15,6 +16,7 @@ from sidecar.allocator.trigger import PollTrigger
 
 __all__ = [
     "AllocatorHealth",
+    "HitCounterAudit",
     "LeakTrend",
     "LifecycleEvent",
     "LifecycleLog",
