@@ -18,6 +18,9 @@ from sidecar.cli.main import main
 
 # A small pool makes the CPU tier spill and load (failed-load-as-hit) within 100 requests.
 REDUCED = {"requests": 100, "num_blocks": 64, "sample_every": 2}
+# A namespace-less tier key acts once another namespace's copy of a shared prompt has
+# spilled (from request ~80 with 64 blocks): a longer run samples some of its hits.
+LONGER = {"namespace-missing-at-tier": {"requests": 160}}
 # The plain engine's faults; the hybrid ones run on hybrid models (test_engine_hybrid.py).
 PLAIN = [n for n in FAULTS if fault_applies(n, "reference")]
 KV_FAULTS = sorted(n for n in PLAIN if FAULTS[n].corrupts_kv)
@@ -27,7 +30,8 @@ ALLOCATOR_FAULTS = sorted(n for n in PLAIN if n != "none" and not FAULTS[n].corr
 @cache
 def float32_runs() -> dict[str, ScenarioResult]:
     faults = [n for n in PLAIN if n != "none"]
-    results = run_many([Scenario(fault=f, dtype="float32", **REDUCED) for f in faults])
+    results = run_many([Scenario(fault=f, dtype="float32", **{**REDUCED, **LONGER.get(f, {})})
+                        for f in faults])
     return {r.scenario.fault: r for r in results}
 
 

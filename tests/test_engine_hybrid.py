@@ -262,7 +262,7 @@ def test_hybrid_faults_apply_only_where_their_groups_are() -> None:
     assert set(HYBRID_FAULTS) == {"window-mismatch", "missing-group-state",
                                   "stale-recurrent-state", "null-block-read",
                                   "evicted-between-match-and-read", "group-layout-mismatch",
-                                  "recurrent-double-apply"}
+                                  "recurrent-double-apply", "recurrent-splice-skip"}
     assert not any(fault_applies(f, "reference") for f in HYBRID_FAULTS)
     assert not fault_applies("window-mismatch", "recurrent")
     assert not fault_applies("stale-recurrent-state", "hybrid")
@@ -327,6 +327,8 @@ def _fault_specific(fault: str, engine: HybridEngine, rec: Recorder, hit: Hit,
         assert "transposed" in details
     elif fault == "recurrent-double-apply":
         assert "applied twice" in details
+    elif fault == "recurrent-splice-skip":
+        assert "transitions skipped" in details
 
 
 def test_bench_detection_runs_hybrid_faults_on_the_models_that_have_their_groups(

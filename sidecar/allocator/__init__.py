@@ -7,6 +7,7 @@ tables and the checks here recompute who holds what; nothing asks the engine whe
 thinks it is healthy.
 """
 
+from sidecar.allocator.hit_counter import HitCounterAudit
 from sidecar.allocator.invariants import Violation, check_counts, check_snapshot, unheld_references
 from sidecar.allocator.leak import LeakTrend, unheld_from_state
 from sidecar.allocator.lifecycle import LifecycleEvent, LifecycleLog, LifecycleOp
@@ -14,6 +15,7 @@ from sidecar.allocator.poll_health import AllocatorHealth, allocation_failure_ra
 
 __all__ = [
     "AllocatorHealth",
+    "HitCounterAudit",
     "LeakTrend",
     "LifecycleEvent",
     "LifecycleLog",

@@ -9,6 +9,8 @@ to. Per poll it
   being reallocated is another), and logs and records evidence for it with the block id,
   its generation and the block's lifecycle path (:mod:`.lifecycle`), never in a label;
 * feeds the leak trend test (:mod:`.leak`) and publishes its gauges;
+* audits the engine's own hit counter against the hits the sidecar counted
+  (:mod:`.hit_counter`), where the adapter reports it;
 * keeps the run's peaks (usage, fragmentation) and the request index of the first
   violation and the first leak suspicion, for the demo's summary.
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sidecar import signals as S
+from sidecar.allocator.hit_counter import HitCounterAudit
 from sidecar.allocator.invariants import Violation, check_counts, check_snapshot, unheld_references
 from sidecar.allocator.leak import LeakTrend, unheld_from_state
 from sidecar.allocator.lifecycle import LifecycleLog
@@ -79,8 +82,12 @@ def _confirmed(tables: Sequence[BlockTableSnapshot], found: list[Violation],
 
 class AllocatorHealth:
     def __init__(self, metrics: Metrics, evidence: EvidenceLog, lifecycle: LifecycleLog,
-                 leak: LeakTrend, engine: str = "", model: str = "") -> None:
+                 leak: LeakTrend, engine: str = "", model: str = "",
+                 counted_hit_tokens: Callable[[], float] | None = None) -> None:
         self.metrics = metrics
+        # The sidecar's own count of hit tokens (the Monitor's cell), for the audit.
+        self.counted_hit_tokens = counted_hit_tokens
+        self.hit_counter = HitCounterAudit()
         self.evidence = evidence
         self.lifecycle = lifecycle
         self.leak = leak
@@ -121,6 +128,9 @@ class AllocatorHealth:
             if frag is not None:
                 self.max_fragmentation_ratio = max(self.max_fragmentation_ratio, frag)
             new += self._fresh("state", check_counts(state))
+            if self.counted_hit_tokens is not None:  # read after the state: see the audit
+                new += self._fresh("hit_counter", self.hit_counter.observe(
+                    state.hit_tokens, int(self.counted_hit_tokens())))
             unheld = unheld_from_state(state)
         if tables is not None:
             started = time.perf_counter()

@@ -70,7 +70,8 @@ def wire(mon: Any, registry: CollectorRegistry | None, caps: Capabilities) -> No
     mon.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
     mon._latencies = deque(maxlen=c.latency_window)
     mon.allocator_health = AllocatorHealth(m, mon.evidence, mon.lifecycle,
-                                           LeakTrend(c.leak_window), info.engine, info.model)
+                                           LeakTrend(c.leak_window), info.engine, info.model,
+                                           lambda: mon._c_hit_tokens.value)
     mon.poller = AllocatorPoller(adapter, m, mon.allocator_health, lambda: mon.requests_done,
                                  c.adapter_timeout_s, c.allocator_every_s,
                                  c.allocator_check_min_interval_s,

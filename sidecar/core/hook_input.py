@@ -160,7 +160,7 @@ def check_allocator_state(state: Any) -> InputReject | None:
         return None
     if not isinstance(state, AllocatorState):
         return InputReject.TYPE
-    for name in (*_STATE_COUNTS, "live_sequences", "held_blocks"):
+    for name in (*_STATE_COUNTS, "live_sequences", "held_blocks", "hit_tokens"):
         v = getattr(state, name)  # None: the engine does not know (never exported as 0)
         why = None if v is None else _int_reason(v, 1 << 62)
         if why is not None:

@@ -260,6 +260,9 @@ class AllocatorState:
     # For the leak trend test (sidecar.allocator.leak), where the engine knows them:
     live_sequences: int | None = None  # sequences holding blocks now
     held_blocks: int | None = None  # distinct blocks named by live sequences' block tables
+    # The engine's own prefix-cache hit counter (prompt tokens, total since start, what its
+    # metrics export), for the hit-counter audit (sidecar.allocator.hit_counter).
+    hit_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ class InvariantKind(enum.StrEnum):
     LEAKED_REFERENCE = "leaked_reference"  # a reference no live sequence holds (leak)
     DOUBLE_FREE = "double_free"  # freed twice: listed twice, ref count < 0, engine-counted
     BLOCK_COUNT_MISMATCH = "block_count_mismatch"  # counts or lists that do not add up
+    # The engine's hit counter went down, or fell behind the hits the sidecar counted
+    # (a gauge overwritten per batch, a counter stuck at 0): sidecar.allocator.hit_counter.
+    HIT_COUNTER_MISMATCH = "hit_counter_mismatch"
 
 
 class DropReason(enum.StrEnum):

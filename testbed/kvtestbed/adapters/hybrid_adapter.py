@@ -135,7 +135,8 @@ class HybridReferenceAdapter:
                 largest_free_run=pool.largest_usable_run(), allocations=pool.allocations,
                 allocation_failures=pool.allocation_failures, allocated_slots=allocated,
                 filled_slots=filled, live_sequences=len(tables),
-                held_blocks=len({b for t in tables.values() for b in t}))
+                held_blocks=len({b for t in tables.values() for b in t}),
+                hit_tokens=engine.hit_metric)
 
     def block_tables(self) -> tuple[BlockTableSnapshot, ...]:
         """Each group's pool lists, per-block state, index and the live block tables (null

@@ -147,6 +147,7 @@ class ReferenceAdapter:
                 filled_slots=filled,
                 live_sequences=len(tables),
                 held_blocks=len({b for t in tables.values() for b in t}),
+                hit_tokens=engine.hit_metric,
             )
 
     def block_tables(self) -> tuple[BlockTableSnapshot, ...]:

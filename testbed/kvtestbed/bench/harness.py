@@ -272,6 +272,10 @@ class BenchSink:
         fired: list[str] = []
         if m.value_sum(S.INVARIANT_VIOLATIONS.name) > 0:
             fired.append("invariant_violation")
+            if not FAULTS[self.r.scenario.fault].corrupts_kv:  # the kinds name what caught it
+                for kind, n in m.by_label(S.INVARIANT_VIOLATIONS.name, "kind").items():
+                    if n > 0:
+                        self.r.kinds[kind] = int(n)
         if m.value(S.LEAK_SUSPECTED_FLAG.name) > 0:
             fired.append("leak_suspected")
         if state is not None:

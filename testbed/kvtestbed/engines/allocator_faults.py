@@ -155,6 +155,20 @@ class HashCollision(Fault):
                 return  # every later block of this hit is out of context as well
 
 
+class GaugeNotARate(Fault):
+    name = "gauge-not-a-rate"
+    description = ("the engine's prefix-cache hit metric is a gauge overwritten with each "
+                   "batch's hit tokens instead of a counter: the KV is right, the published "
+                   "hit rate is not (SGLang 26608)")
+
+    def published_hit_tokens(self, request_index: int, total: int, batch: int) -> int:
+        if not self.active(request_index):
+            return total
+        if not self.injections:
+            self.record(request_index, None, "hit metric overwritten per batch from here on")
+        return batch
+
+
 class Fragmentation(Fault):
     name = "fragmentation"
     description = ("the allocator insists on runs of consecutive free blocks: allocations "

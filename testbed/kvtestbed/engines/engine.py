@@ -96,6 +96,7 @@ class ReferenceEngine(BatchScheduler):
                               kv_storage=c.kv_storage, device=self.device)
         self.tier = CpuTier(c.cpu_offload_blocks) if c.cpu_offload_blocks > 0 else None
         self._digests: dict[int, str | None] = {}  # write-time digests, kept for the tier
+        self._tier_keys: dict[int, BlockHash] = {}  # block -> its tier key, where it differs
         self._unawaited: dict[int, list[Load]] = {}  # seq -> loads served while in flight
         if self.tier is not None:
             self.pool.on_evict = self._spill
@@ -152,7 +153,8 @@ class ReferenceEngine(BatchScheduler):
         loaded: list[tuple[int, TierEntry, TierState]] = []
         with self.lock:
             hit_ids = self.pool.lookup(hashes)
-            offloaded = (self.tier.match(GROUP_ID, hashes[len(hit_ids):]) if self.tier
+            tier_keys = self._tier_chain(index, prompt, key_fields, hashes)
+            offloaded = (self.tier.match(GROUP_ID, tier_keys[len(hit_ids):]) if self.tier
                          else [])
             if not getattr(self.sink, "hits_allowed", True):  # a circuit breaker is open
                 hit_ids, offloaded = [], []  # (sidecar.protect.actions): every lookup is a miss
@@ -161,7 +163,8 @@ class ReferenceEngine(BatchScheduler):
             if alloc.ok:
                 if self.truth is not None:
                     self.truth.allocated(index, alloc.block_ids)
-                loaded = self._load(index, offloaded, alloc.block_ids)
+                loaded = self._load(index, offloaded, alloc.block_ids,
+                                    hashes[len(hit_ids):], tier_keys[len(hit_ids):])
                 hit_ids = [*hit_ids, *(b for b, _, _ in loaded)]
                 generations = [self.pool.blocks[b].generation for b in hit_ids]
                 seq = RunningSequence(index, request, key_fields, prompt,
@@ -179,7 +182,7 @@ class ReferenceEngine(BatchScheduler):
             return None
         self.stats["admitted"] += 1
         self.stats["query_tokens"] += len(prompt)
-        self.stats["hit_tokens"] += seq.hit_tokens
+        self._count_hits(index, seq.hit_tokens)
         if self.sink is None:  # detached: no hook arguments built (bench perf's baseline)
             return seq
         self._emit("on_allocate", GROUP_ID, index, alloc.block_ids,
@@ -271,6 +274,8 @@ class ReferenceEngine(BatchScheduler):
         if full <= seq.num_cached_blocks:
             return
         self._chain(seq.seq_id, seq.tokens, seq.key_fields, full, seq.block_hashes)
+        tier_keys = (self._tier_chain(seq.seq_id, seq.tokens, seq.key_fields,
+                                      seq.block_hashes) if self.tier is not None else [])
         key_dict = dict(seq.key_fields)
         for i in range(seq.num_cached_blocks, full):
             b = seq.blocks[i]
@@ -285,6 +290,7 @@ class ReferenceEngine(BatchScheduler):
                 digest = self._digest(*self.pool.read_block(b)) if self._digest else None
                 if self.tier is not None:
                     self._digests[b] = digest
+                    self._keep_tier_key(b, seq.block_hashes[i], tier_keys[i])
             if self.sink is not None:  # detached: no hook arguments built
                 self._emit("on_store", StoredBlock(
                     group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
@@ -296,6 +302,12 @@ class ReferenceEngine(BatchScheduler):
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ CPU offload tier
+    def _keep_tier_key(self, block_id: int, block_hash: BlockHash, tier_key: BlockHash) -> None:
+        if tier_key != block_hash:
+            self._tier_keys[block_id] = tier_key
+        else:
+            self._tier_keys.pop(block_id, None)
+
     def _spill(self, block_id: int) -> None:
         """Pool eviction hook: copy the cached block out to the tier (under the lock; the
         block goes to a new owner right after, so this copy cannot be deferred)."""
@@ -306,25 +318,29 @@ class ReferenceEngine(BatchScheduler):
         self.tier.put(TierEntry(meta.block_hash, self.pool.export_block(block_id),
                                 meta.tokens, meta.key_fields, meta.prefix_tokens,
                                 self._digests.pop(block_id, None), extra,
-                                group_id=GROUP_ID, block_id=block_id))
+                                group_id=GROUP_ID, block_id=block_id,
+                                tier_key=self._tier_keys.pop(block_id, None)))
 
-    def _load(self, seq_id: int, entries: Sequence[TierEntry],
-              fresh: Sequence[int]) -> list[tuple[int, TierEntry, TierState]]:
+    def _load(self, seq_id: int, entries: Sequence[TierEntry], fresh: Sequence[int],
+              hashes: Sequence[BlockHash], tier_keys: Sequence[BlockHash],
+              ) -> list[tuple[int, TierEntry, TierState]]:
         """Load offloaded blocks into the first fresh blocks (async, on the tier's worker),
         wait until each may be read, and keep the leading run the request may serve, with
         each one's tier state at that moment. A load that fails (or times out) ends the hit
         there: that block and the ones after it stay private and are recomputed. The
         faults' bugs: a load the fault fails is served all the same (failed-load-as-hit),
-        a load may copy back only some layers, or be served before it completed."""
+        a load may copy back only some layers, or be served before it completed. Each
+        loaded block is indexed under the request's own hash (``hashes``): the engine takes
+        what its tier key (``tier_keys``) found for the request's block."""
         tier = self.tier
         if tier is None or not entries:
             return []
         num_layers = int(self.pool.key.shape[0])
         loads: list[Load] = []
-        for entry, b in zip(entries, fresh, strict=False):
-            if not self.pool.cache(b, entry.block_hash, entry.tokens, entry.key_fields,
-                                   entry.prefix_tokens):
+        for entry, b, h, key in zip(entries, fresh, hashes, tier_keys, strict=False):
+            if not self.pool.cache(b, h, entry.tokens, entry.key_fields, entry.prefix_tokens):
                 break
+            self._keep_tier_key(b, h, key)
             loads.append(tier.load(
                 entry, self.pool, b, layers=self.fault.load_layers(self, seq_id, b, num_layers),
                 fails=self.fault.load_fails(self, seq_id, b),
@@ -375,6 +391,7 @@ class ReferenceEngine(BatchScheduler):
                     continue
                 removed.append(b)
                 self._digests.pop(b, None)
+                self._tier_keys.pop(b, None)
                 if self.pool.blocks[b].ref_count == 0:
                     self.pool.push_free(b)
         if removed:

@@ -111,6 +111,16 @@ class Fault:
                         block_id: int) -> None:
         """After a full block was indexed and reported (its write-time digest taken)."""
 
+    def tier_key_fields(self, request_index: int, key_fields: KeyFields) -> KeyFields | None:
+        """The key fields the CPU tier's key keeps for request ``request_index``; ``None``:
+        the device tier's key, every field (the tier key is then the block hash itself)."""
+        return None
+
+    def published_hit_tokens(self, request_index: int, total: int, batch: int) -> int:
+        """The value the engine's own prefix-cache hit metric shows: ``total`` hit tokens
+        since start (a counter); ``batch``: the hit tokens of the current batch."""
+        return total
+
     def load_fails(self, engine: ReferenceEngine, request_index: int, block_id: int) -> bool:
         """Whether the CPU-tier load into ``block_id`` silently fails (the engine reports it
         loaded, indexes it and serves it as a hit either way)."""

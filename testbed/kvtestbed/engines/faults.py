@@ -12,6 +12,7 @@ from typing import Any
 from kvtestbed.engines.allocator_faults import (
     BoundaryOffByOne,
     Fragmentation,
+    GaugeNotARate,
     HashCollision,
     KeyMissingField,
     Leak,
@@ -29,6 +30,7 @@ from kvtestbed.engines.fault_base import MAX_INJECTIONS, Fault, Injection
 from kvtestbed.engines.movement_faults import (
     FailedLoadAsHit,
     LayoutMismatch,
+    NamespaceMissingAtTier,
     PartialLoad,
     TornAsyncCopy,
     TornWrite,
@@ -36,10 +38,10 @@ from kvtestbed.engines.movement_faults import (
 
 __all__ = [
     "FAULTS", "MAX_INJECTIONS", "BitFlip", "BoundaryOffByOne", "FailedLoadAsHit", "Fault",
-    "Fragmentation", "HashCollision", "Injection", "KeyMissingField", "LayoutMismatch", "Leak",
-    "NonFinite", "PartialLoad", "PrematureFree", "QuantizationDrift", "StaleReuse",
-    "StorageDowncast", "TornAsyncCopy", "TornWrite", "ZeroBlock", "describe_faults",
-    "make_fault",
+    "Fragmentation", "GaugeNotARate", "HashCollision", "Injection", "KeyMissingField",
+    "LayoutMismatch", "Leak", "NamespaceMissingAtTier", "NonFinite", "PartialLoad", "PrematureFree",
+    "QuantizationDrift", "StaleReuse", "StorageDowncast", "TornAsyncCopy", "TornWrite",
+    "ZeroBlock", "describe_faults", "make_fault",
 ]
 
 
@@ -48,7 +50,7 @@ FAULTS: dict[str, type[Fault]] = {
     for cls in (Fault, ZeroBlock, NonFinite, BoundaryOffByOne, StaleReuse, KeyMissingField,
                 HashCollision, PrematureFree, Leak, BitFlip, Fragmentation, TornWrite,
                 FailedLoadAsHit, LayoutMismatch, QuantizationDrift, StorageDowncast,
-                PartialLoad, TornAsyncCopy)
+                PartialLoad, TornAsyncCopy, NamespaceMissingAtTier, GaugeNotARate)
 }
 
 

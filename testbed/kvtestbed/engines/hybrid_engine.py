@@ -175,7 +175,7 @@ class HybridEngine(BatchScheduler, GroupTables):
                        tuple(self.pools[g].blocks[b].generation for b in a.block_ids))
         self.stats["admitted"] += 1
         self.stats["query_tokens"] += len(prompt)
-        self.stats["hit_tokens"] += seq.hit_tokens
+        self._count_hits(index, seq.hit_tokens)
         self._emit("on_lookup", Lookup(len(prompt), seq.hit_tokens, hit, seq_id=index))
         return seq
 

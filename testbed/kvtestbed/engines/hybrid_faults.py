@@ -14,7 +14,9 @@ window-mismatch -> window_mismatch; null-block-read -> null_block_read;
 stale-recurrent-state -> stale_recurrent_state; missing-group-state, evicted-between-match-
 and-read, group-layout-mismatch -> recompute_mismatch on group 1 (the served block holds some
 other content; the evicted one sometimes stale_recurrent_state, its donor being an earlier
-boundary's state); recurrent-double-apply -> recompute_mismatch on group 1. Importing the
+boundary's state); recurrent-double-apply -> recompute_mismatch on group 1;
+recurrent-splice-skip -> stale_recurrent_state on group 1 (the state of an earlier boundary).
+Importing the
 package (``kvtestbed.engines``) imports this module, which adds these faults to
 :data:`~kvtestbed.engines.faults.FAULTS`.
 """
@@ -165,6 +167,33 @@ class RecurrentDoubleApply(Fault):
         return twice
 
 
+class RecurrentSpliceSkip(Fault):
+    name = "recurrent-splice-skip"
+    description = ("a hit's full-attention blocks reach a deeper boundary than the recurrent "
+                   "state it restores: the state of a shorter prefix is spliced in at the "
+                   "hit's last boundary, skipping the transitions in between (LMCache PR "
+                   "4843)")
+    corrupts_kv = True
+    default_probability = 0.5
+    needs_groups = frozenset({_RECURRENT})
+
+    def on_hybrid_hit(self, engine: Any, seq: RunningSequence, hit_blocks: int) -> None:
+        if hit_blocks < 2 or not (self.active(seq.seq_id) and self.chance()):
+            return
+        last = hit_blocks - 1
+        pool = engine.pools[OTHER_GROUP]
+        # The shorter prefix's snapshot: any earlier boundary of this prompt still indexed
+        # (a block the group released as the sequence advanced stays findable).
+        shorter = [(i, b) for i in range(last) if (b := pool.find(seq.block_hashes[i]))
+                   is not None and b != engine.null_block(OTHER_GROUP)]
+        if not shorter:
+            return
+        i, b = self.rng.choice(shorter)
+        engine.swap(seq, OTHER_GROUP, last, b)
+        self.record(seq.seq_id, b, f"boundary {last} restored with the state of boundary {i}: "
+                    f"{last - i} block(s) of transitions skipped")
+
+
 class GroupLayoutMismatch(Fault):
     name = "group-layout-mismatch"
     description = ("one cache group only (sliding window or recurrent state) writes its "
@@ -188,7 +217,8 @@ class GroupLayoutMismatch(Fault):
 
 HYBRID_FAULTS: tuple[type[Fault], ...] = (
     WindowMismatch, MissingGroupState, StaleRecurrentState, NullBlockRead,
-    EvictedBetweenMatchAndRead, GroupLayoutMismatch, RecurrentDoubleApply)
+    EvictedBetweenMatchAndRead, GroupLayoutMismatch, RecurrentDoubleApply,
+    RecurrentSpliceSkip)
 FAULTS.update({cls.name: cls for cls in HYBRID_FAULTS})  # listed with every other fault
 
 # The cache-group kinds of each model the reference engine runs (``--model``).

@@ -1,6 +1,6 @@
-"""Faults in moving KV: torn writes, failed loads served as hits, a wrong layout, and the
-CPU tier's partial and unawaited async loads. The base class and how to add a fault:
-:mod:`kvtestbed.engines.fault_base`."""
+"""Faults in moving KV: torn writes, failed loads served as hits, a wrong layout, the CPU
+tier's partial and unawaited async loads, and a tier key missing the namespace. The base
+class and how to add a fault: :mod:`kvtestbed.engines.fault_base`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtestbed.engines.pool import BlockData
+from kvtestbed.engines.pool import BlockData, KeyFields
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -152,3 +152,27 @@ class TornAsyncCopy(Fault):
         self.record(request_index, block_id, f"served while loading, {copied} of "
                                              f"{num_layers} layers copied")
         return copied
+
+
+NAMESPACE_FIELDS = ("adapter", "cache_salt")  # what isolates one tenant's / adapter's entries
+
+
+class NamespaceMissingAtTier(Fault):
+    name = "namespace-missing-at-tier"
+    description = ("the CPU tier's key drops the cache namespace (adapter and cache_salt) "
+                   "that the device index keeps: a request misses on the device and loads "
+                   "another namespace's block of the same tokens from the tier (SGLang 26747)")
+    corrupts_kv = True
+    engine_needs = {"cpu_offload_blocks": 512}
+
+    def tier_key_fields(self, request_index: int, key_fields: KeyFields) -> KeyFields | None:
+        if not self.active(request_index):
+            return None
+        return tuple((k, "" if k in NAMESPACE_FIELDS else v) for k, v in key_fields)
+
+    def on_hit(self, engine: ReferenceEngine, seq: RunningSequence,
+               block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            stored = engine.pool.blocks[b].key_fields
+            if stored and stored != seq.key_fields:
+                self.record(seq.seq_id, b, f"tier hit stored under {dict(stored)}")

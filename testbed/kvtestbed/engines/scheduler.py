@@ -30,6 +30,9 @@ class BatchScheduler:
     _running: list[Any]
     _head_blocked: bool
     _next_index: int
+    # The engine's own prefix-cache hit metric (tokens), as its /metrics would export it:
+    # what the sidecar's hit-counter audit (sidecar.allocator.hit_counter) checks.
+    hit_metric: int = 0
 
     # ------------------------------------------------------------------ what an engine adds
     def _admissible(self, request: Request) -> bool:
@@ -71,6 +74,7 @@ class BatchScheduler:
         """One scheduler iteration: a decode step for every running sequence, then admit
         (and prefill) waiting requests up to ``max_running``. Returns finished requests."""
         done: list[Result] = []
+        self._count_hits(self._next_index - 1, 0, new_batch=True)
         for seq in list(self._running):
             if len(seq.output) < seq.request.max_new_tokens:
                 self._decode(seq)
@@ -127,7 +131,31 @@ class BatchScheduler:
             hashes.append(self.block_hash(seq_id, parent, tokens[i * bs:(i + 1) * bs],
                                           key_fields))
 
+    def _tier_chain(self, seq_id: int, tokens: Sequence[int], key_fields: KeyFields,
+                    hashes: list[BlockHash]) -> list[BlockHash]:
+        """The tier's keys for the blocks ``hashes`` name: the hashes themselves, unless a
+        fault keys the tier on fewer fields (``Fault.tier_key_fields``)."""
+        kept = self.fault.tier_key_fields(seq_id, key_fields)
+        if kept is None or kept == key_fields:
+            return hashes
+        bs = self.block_size
+        chain: list[BlockHash] = []
+        for i in range(len(hashes)):
+            chain.append(chain_hash(chain[i - 1] if i else None, tokens[i * bs:(i + 1) * bs],
+                                    kept))
+        return chain
+
     # ------------------------------------------------------------------ bookkeeping
+    def _count_hits(self, request_index: int, tokens: int, new_batch: bool = False) -> None:
+        """Count ``tokens`` hit tokens of request ``request_index`` in the engine's stats and
+        publish its hit metric (``new_batch``: an iteration starts, nothing hit yet)."""
+        if new_batch:
+            self.stats["batch_hit_tokens"] = 0
+        self.stats["hit_tokens"] += tokens
+        self.stats["batch_hit_tokens"] += tokens
+        self.hit_metric = self.fault.published_hit_tokens(
+            request_index, self.stats["hit_tokens"], self.stats["batch_hit_tokens"])
+
     def _span(self, request: Request) -> tuple[int, int]:
         """Positions whose KV the request writes (the last output token is never fed
         back), and the blocks that takes."""

@@ -80,9 +80,10 @@ class TierEvent:
 @dataclass(eq=False)
 class TierEntry:
     """One offloaded block: its bytes, what its hash covers, and its write-time digest.
-    ``extra`` carries what another component attached at spill time (ground truth).
-    ``state`` and ``block_id`` (the pool block it last left or entered) change under the
-    tier's lock only; the rest never changes."""
+    ``extra`` carries what another component attached at spill time (ground truth);
+    ``tier_key`` the tier's own key where it differs from the block hash (a tier that keys
+    on fewer fields than the device index). ``state`` and ``block_id`` (the pool block it
+    last left or entered) change under the tier's lock only; the rest never changes."""
 
     block_hash: BlockHash
     data: BlockData
@@ -94,6 +95,12 @@ class TierEntry:
     group_id: int = 0
     block_id: int = -1
     state: TierState | None = None
+    tier_key: BlockHash | None = None
+
+    @property
+    def key(self) -> tuple[int, BlockHash]:
+        """What the tier files the entry under: (group, tier key or block hash)."""
+        return self.group_id, self.block_hash if self.tier_key is None else self.tier_key
 
 
 def copy_layer(pool: BlockPool, block_id: int, data: BlockData, layer: int) -> None:
@@ -243,7 +250,7 @@ class CpuTier:
             entry.state = state
             if state is S.FAILED:
                 self.failed_loads += 1
-                key = (entry.group_id, entry.block_hash)
+                key = entry.key
                 if self._entries.get(key) is entry:
                     del self._entries[key]  # terminal: never matched again
             self._events.append(TierEvent(entry.group_id, entry.block_id, state, seconds))
@@ -260,7 +267,7 @@ class CpuTier:
         """Offload an evicted block (its bytes already copied into ``entry.data``): a fresh
         entry goes resident -> offloading -> offloaded and replaces a settled one under the
         same key. ``False`` (nothing stored) when that key has a copy in flight."""
-        key = (entry.group_id, entry.block_hash)
+        key = entry.key
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.state in IN_FLIGHT:
@@ -289,9 +296,9 @@ class CpuTier:
 
     # ------------------------------------------------------------------ lookup and load
     def match(self, group_id: int, hashes: Sequence[BlockHash]) -> list[TierEntry]:
-        """Entries for the longest run of ``hashes`` this tier can load, from the first one
-        (``offloaded`` entries: a loaded one is back in the pool, one in flight is not
-        ready)."""
+        """Entries for the longest run of ``hashes`` (tier keys) this tier can load, from
+        the first one (``offloaded`` entries: a loaded one is back in the pool, one in
+        flight is not ready)."""
         found: list[TierEntry] = []
         with self._lock:
             for h in hashes:
