@@ -303,6 +303,7 @@ class ReferenceEngine(BatchScheduler):
 
     # ------------------------------------------------------------------ CPU offload tier
     def _keep_tier_key(self, block_id: int, block_hash: BlockHash, tier_key: BlockHash) -> None:
+        """Remember the key a block spills under to the tier where it is not its hash."""
         if tier_key != block_hash:
             self._tier_keys[block_id] = tier_key
         else:
