@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtestbed.engines.tier import hit_tier_states
+
 from sidecar.checks.coverage import check_coverage
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import BlockKV, BlockRef, EngineInfo, Hit
@@ -76,3 +78,10 @@ def test_a_missing_recurrent_state_is_a_shorter_list_and_a_null_id_is_a_null_rea
         (K.NULL_BLOCK_READ, RECURRENT, 1)]
     assert _kinds(Hit((), 8, {**BLOCKS, RECURRENT: [0, 5]})) == []  # earlier: null is fine
 
+
+
+def test_the_reference_engine_does_not_pad_resident_blocks() -> None:
+    assert hit_tier_states(FULL, 3, [T.LOADED]) == {FULL: (None, None, T.LOADED)}
+    assert hit_tier_states(FULL, 3, []) == {}  # nothing came through the tier: no entry
+    hit = Hit((), 8, BLOCKS, tier_states=hit_tier_states(FULL, 2, [T.LOADING]))
+    assert _kinds(hit) == [(K.TIER_NOT_LOADED, FULL, 1)]  # the None before it: resident
