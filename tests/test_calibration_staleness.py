@@ -32,7 +32,7 @@ LOG = "sidecar.checks.calibration"
 
 def _profile(tmp_path: Path, **entry: object) -> str:
     """A profile with one bfloat16 tiny-llama entry (``entry`` changes it)."""
-    fields: dict = {"model": "tiny-llama", "dtype": "bfloat16", "reference": "independent",
+    fields: dict = {"model": "tiny-llama", "dtype": "bfloat16", "reference": "engine",
                     "floor": 0.02, "tolerance": 0.08, "blocks": 900, "engine": "reference",
                     **entry}
     path = tmp_path / "profile.json"
@@ -105,7 +105,7 @@ def test_restart_from_a_calibrated_profile_beside_a_broken_engine_keeps_its_tole
     assert main(["calibrate", "--out", str(out), "--model", "reference", "--dtype",
                  "bfloat16", "--requests", "60"]) == 0
     capsys.readouterr()
-    entry = load_profile(out).find("tiny-llama", "bfloat16", None, "independent")
+    entry = load_profile(out).find("tiny-llama", "bfloat16", None, "engine")
     assert entry is not None
     # Two restarts from the same file: each starts at the profile's tolerance, learns the
     # broken engine's fp8 error as its floor, and still never loosens past the profile.
