@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from sidecar.checks.verifier import TokenBucket
+from sidecar.core.admission import TokenBucket
 from sidecar.core.protocol import Hit
 from sidecar.core.sampling import UniformSampler, choose_blocks
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard

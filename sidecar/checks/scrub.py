@@ -47,8 +47,9 @@ from typing import Any
 from sidecar import signals as S
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.scrub_budget import RecomputeBudget
-from sidecar.checks.verifier import Sample, TokenBucket, Verdict, Verifier
+from sidecar.checks.verifier import Sample, Verdict, Verifier
 from sidecar.core import attach
+from sidecar.core.admission import TokenBucket
 from sidecar.core.cache_view import CacheView
 from sidecar.core.protocol import Adapter, BlockRef, EngineInfo, Hit, TierState
 from sidecar.core.time_limits import Guard

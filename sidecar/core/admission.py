@@ -1,6 +1,6 @@
 """Admission control: caps on the sidecar's own expensive work running at once.
 
-The recompute budget (:class:`sidecar.checks.verifier.TokenBucket`) bounds recomputed tokens per
+The recompute budget (:class:`TokenBucket`) bounds recomputed tokens per
 second on average; it does not bound how many recomputes run *at the same time*. Those can
 pile up: several threads verifying inline, or recomputes the time limit abandoned
 (:mod:`sidecar.core.time_limits`) that still run on the engine's device. Likewise a burst of hits
@@ -16,6 +16,7 @@ keeps its slot until the adapter call returns on its own.
 from __future__ import annotations
 
 import threading
+import time
 
 
 class Slot:
@@ -57,3 +58,28 @@ class Gate:
                 return None
             self._in_flight += 1
         return Slot(self)
+
+
+class TokenBucket:
+    """The recompute budget: at most ``rate`` recomputed tokens per second on average."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.capacity = burst if burst is not None else max(rate, 1.0)
+        self._tokens = self.capacity
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: float) -> bool:
+        if self.rate <= 0:
+            return True  # unlimited
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if n > self.capacity:  # one oversized sample may run when the bucket is full
+                n = self.capacity
+            if self._tokens >= n:
+                self._tokens -= n
+                return True
+            return False

@@ -21,8 +21,9 @@ from sidecar.allocator import AllocatorHealth, LeakTrend, LifecycleLog
 from sidecar.allocator.poller import AllocatorPoller
 from sidecar.checks.calibration import Calibration, calibration_config
 from sidecar.checks.scrub import Scrubber, ScrubDeps, ScrubSettings
-from sidecar.checks.verifier import TokenBucket, Verifier
+from sidecar.checks.verifier import Verifier
 from sidecar.core import hook_input as HI
+from sidecar.core.admission import TokenBucket
 from sidecar.core.attach import Capabilities
 from sidecar.core.cache_view import CacheView
 from sidecar.core.dispatch import Dispatcher
