@@ -187,7 +187,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return 2
         from sidecar.adapters.vllm.cli import main as vllm_main
 
-        return vllm_main(argv[1:] or ["--help"])
+        return vllm_main(argv[1:])  # alone: its help, exit 2
     if argv[:1] == ["sglang"]:  # its own parser too; the pipe needs the vllm extra's zmq
         try:
             require("vllm")
@@ -196,7 +196,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return 2
         from sidecar.adapters.sglang.cli import main as sglang_main
 
-        return sglang_main(argv[1:] or ["--help"])
+        return sglang_main(argv[1:])  # alone: its help, exit 2
     if argv[:1] and argv[0] in TESTBED_COMMANDS and _testbed() is None:
         print(f"kv-sidecar: error: {TESTBED_MISSING.format(command=argv[0])}", file=sys.stderr)
         return 2
