@@ -282,9 +282,9 @@ def print_table(out: dict[str, Any]) -> None:
     floods = out["floods"]
     if "hook_latency" in floods:
         h = floods["hook_latency"]
-        print(f"\nhook flood ({h['calls']} calls in interleaved {h['batch']}-call batches, "
-              f"hit of {h['hit_tokens']} tokens): p99 of the per-call batch means, best of "
-              f"{h['runs']} runs, clean "
+        print(f"\nhook flood ({h['calls']} calls: {h['inputs']} inputs a side, hit of "
+              f"{h['hit_tokens']} tokens): p99 over the inputs of each one's per-call cost "
+              f"(best of {h['rounds']} interleaved {h['batch']}-call batches), clean "
               f"{h['clean_p99_us']:.1f} us, hostile {h['hostile_p99_us']:.1f} us "
               f"(ratio {h['ratio']:.2f}, target <= 2); unsampled {h['long_hit_tokens']}-token "
               f"hit p99 {h['long_hit_p99_us']:.1f} us (break 7: O(hit) cost left in "
