@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.cli.main import main
+from tests.canary_fake import FakeServer, _fast
 
 pytest.importorskip("zmq")  # the vllm extra: `kv-sidecar vllm`/`sglang` require it
 
@@ -107,3 +108,32 @@ def test_config_check_names_every_bad_tolerance(tmp_path, capsys) -> None:
     assert len(lines) == 3, lines
     assert all(line.startswith("kv-sidecar: error: sidecar.tolerances: ") for line in lines)
     assert "'float32'" in lines[0] and "'bfloat16'" in lines[1] and "'bogus'" in lines[2]
+
+
+@pytest.mark.parametrize("token", ["", "   ", "\t"])
+def test_the_canarys_metrics_server_refuses_an_empty_token(monkeypatch, capsys, token) -> None:
+    """Its /status is a control surface like the sidecar's: on 75d8333 the canary never
+    read ``KVSIDECAR_TOKEN`` at all, so a deployment that set one ran with auth off."""
+    monkeypatch.setenv("KVSIDECAR_TOKEN", token)
+    assert main(["canary", "--endpoint", "http://127.0.0.1:1/v1", "--dtype", "float32",
+                 "--port", "0", "--pairs", "1"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "KVSIDECAR_TOKEN" in line and "empty or whitespace" in line
+
+
+def test_the_canarys_status_needs_the_token(monkeypatch) -> None:
+    from sidecar.export import server as server_module
+
+    seen: list[object] = []
+    real = server_module.SidecarServer.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("token"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(server_module.SidecarServer, "__init__", spy)
+    monkeypatch.setenv("KVSIDECAR_TOKEN", "tok-123")
+    with FakeServer() as fake:
+        code, out = _fast(fake.endpoint, "--port", "0", "--pairs", "1")
+    assert code == 0, out
+    assert seen == ["tok-123"]  # the server the canary started guards /status with it
