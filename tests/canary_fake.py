@@ -7,11 +7,11 @@ import contextlib
 import io
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from sidecar.cli.main import main
+from tests.stub_http import StubHandler, StubServer
 
 BLOCK = 4
 
@@ -32,12 +32,12 @@ class FakeServer:
         self.fail_after: int | None = None  # completions answer HTTP 500 after this many
         self.requests = 0
         self.bodies: list[dict[str, Any]] = []
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
+        self.stub: StubServer | None = None
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1])
+        assert self.stub is not None, "a FakeServer serves inside its with block"
+        return self.stub.port
 
     @property
     def endpoint(self) -> str:
@@ -85,15 +85,11 @@ class FakeServer:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(StubHandler):
             disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
 
             def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(code, body, ctype)
 
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
@@ -108,7 +104,7 @@ class FakeServer:
                     self._send(404, b'{"error": "not found"}')
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = json.loads(self.body())
                 if fake.fail_after is not None and fake.requests >= fake.fail_after:
                     self._send(500, b'{"error": "engine dead"}')
                     return
@@ -116,18 +112,15 @@ class FakeServer:
                     else fake.complete(body)
                 self._send(200, json.dumps(answer).encode())
 
-            def log_message(self, fmt: str, *args: Any) -> None:
-                return None
-
         return Handler
 
     def __enter__(self) -> FakeServer:
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.stub = StubServer(self._handler())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.stub is not None:
+            self.stub.stop()
 
 
 def _cli(*args: str) -> tuple[int, str]:

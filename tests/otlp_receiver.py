@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -18,6 +17,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+from tests.stub_http import StubHandler, StubServer
 
 _ROUTES: dict[str, tuple[Any, Any]] = {
     "/v1/metrics": (ExportMetricsServiceRequest, ExportMetricsServiceResponse),
@@ -35,10 +36,10 @@ class OtlpReceiver:
         self.lock = threading.Lock()
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(StubHandler):
             def do_POST(self) -> None:
                 route = _ROUTES.get(self.path)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = self.body()
                 encoding = self.headers.get("Content-Encoding", "")
                 if encoding == "gzip":
                     body = gzip.decompress(body)
@@ -55,26 +56,20 @@ class OtlpReceiver:
                     receiver.requests[self.path].append(msg)
                     receiver.content_types.add(self.headers.get("Content-Type", ""))
                 out = response_cls().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                self.reply(200, out, "application/x-protobuf")
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._handler = Handler
+        self.stub: StubServer | None = None
+        self.url = ""
 
     def __enter__(self) -> OtlpReceiver:
-        self._thread.start()
+        self.stub = StubServer(self._handler)
+        self.url = self.stub.url
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.stub is not None:
+            self.stub.stop()
 
     def metrics(self) -> dict[str, Any]:
         """The latest decoded Metric per name (protobuf messages)."""

@@ -48,7 +48,7 @@ def test_every_numeric_field_is_bounded_by_the_one_table() -> None:
 
 @pytest.mark.parametrize("toml, says", [
     ("adapter_timeout_s = inf", "sidecar.adapter_timeout_s: must be >= 0.001 and <= 3600, got inf"),
-    ("allocator_every_s = inf", "sidecar.allocator_every_s: must be >= -86400"),
+    ("allocator_every_s = inf", "sidecar.allocator_every_s: must be >= 0 and <= 86400"),
     ("scrub_every_s = inf", "sidecar.scrub_every_s: must be > 0 and <= 86400, got inf"),
     ("scrub_every_s = 1e300", "sidecar.scrub_every_s: must be > 0 and <= 86400"),
     ("breaker_window_s = nan", "sidecar.breaker_window_s: must be"),

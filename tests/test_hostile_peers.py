@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -23,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.export.server import SidecarServer
 from sidecar.protect.forward import ForwardApp, ForwardServer
+from tests.stub_http import StubHandler, StubServer
 
 TOKEN = "tok-123"
 
@@ -106,42 +105,36 @@ def test_pipelined_requests_get_one_answer_and_a_close(server: SidecarServer) ->
 
 # ------------------------------------------------------------------ the forwarding proxy
 class _Upstream:
+    """Echoes the first KiB of each POST body; keeps the headers it saw."""
+
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
         up = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(StubHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:
                 up.seen.append(dict(self.headers))
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(min(n, 1024))
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, self.body(cap=1024))
 
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        self.stub = StubServer(H)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.stub.stop()
 
 
 @pytest.fixture
 def proxy() -> Iterator[tuple[ForwardServer, _Upstream]]:
     up = _Upstream()
-    px = ForwardServer(("127.0.0.1", up.httpd.server_address[1]), app=ForwardApp()).start()
-    yield px, up
-    px.stop()
-    up.close()
+    try:
+        px = ForwardServer(up.stub.address, app=ForwardApp()).start()
+        try:
+            yield px, up
+        finally:
+            px.stop()
+    finally:
+        up.close()
 
 
 @pytest.mark.parametrize("head", [

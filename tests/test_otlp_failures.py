@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,6 +18,7 @@ from sidecar import signals as S
 from sidecar.export.metrics import Metrics
 from sidecar.export.otel_push import OtlpPush
 from tests.otlp_receiver import OtlpReceiver
+from tests.stub_http import StubHandler, StubServer
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
@@ -47,28 +46,14 @@ def _silent() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _answering(status: int) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(StubHandler):
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(status)
-            if 300 <= status < 400:
-                self.send_header("Location", "http://127.0.0.1:1/elsewhere")
-            self.send_header("Content-Length", "4")
-            self.end_headers()
-            self.wfile.write(b"boom")
+            self.body()
+            where = {"Location": "http://127.0.0.1:1/elsewhere"} if 300 <= status < 400 else {}
+            self.reply(status, b"boom", headers=where)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join()
+    with StubServer(Handler) as stub:
+        yield stub.url
 
 
 RECEIVERS = {"down": (_down, S.OtlpFailure.CONNECT),
@@ -137,28 +122,13 @@ def test_the_receiver_coming_back_stops_the_failures() -> None:
 
 @contextlib.contextmanager
 def _answering_on(port: int) -> Iterator[None]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(StubHandler):
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            self.body()
+            self.reply(200)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    class Reusing(ThreadingHTTPServer):
-        allow_reuse_address = True
-
-    srv = Reusing(("127.0.0.1", port), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
+    with StubServer(Handler, port=port, reuse_address=True):
         yield
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join()
 
 
 def test_a_sidecar_without_otlp_push_exports_no_otlp_series() -> None:

@@ -11,12 +11,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from sidecar.protect.forward import ForwardApp, ForwardLimits, ForwardServer, Reply, Request
+from tests.stub_http import HANDLER_THREAD, StubHandler, StubServer
 
 
 class Upstream:
@@ -28,12 +28,11 @@ class Upstream:
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
         up = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(StubHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n)
+                body = self.body()
                 if self.path == "/drop":  # a large body: not kept, answered in two bytes
                     body = b"ok"
                 else:
@@ -52,29 +51,19 @@ class Upstream:
                         up.release.wait(30)
                     self.wfile.write(b"0\r\n\r\n")
                     return
-                self.send_response(201)
-                self.send_header("X-Upstream", "yes")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(201, body, headers={"X-Upstream": "yes"})
 
             do_GET = do_POST
 
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.stub = StubServer(H)
 
     @property
     def address(self) -> tuple[str, int]:
-        return "127.0.0.1", int(self.httpd.server_address[1])
+        return self.stub.address
 
     def close(self) -> None:
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.stub.stop()
 
 
 @pytest.fixture
@@ -384,7 +373,7 @@ def test_the_replay_proxy_itself_is_bounded(upstream: Upstream) -> None:
         assert raw(b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n").startswith(
             b"HTTP/1.1 400 ")
         def threads() -> int:  # the in-process upstream runs one per (kept-alive) connection
-            return sum("process_request_thread" not in t.name for t in threading.enumerate())
+            return sum(t.name != HANDLER_THREAD for t in threading.enumerate())
 
         before = threads()
         for _ in range(200):  # under the default max_connections (256): all held

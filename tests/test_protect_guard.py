@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from sidecar.canary.runner import CanaryConfig, make_canary
 from sidecar.protect.breaker import BreakerSettings, State
 from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig
 from tests.canary_fake import BLOCK, FakeServer
+from tests.stub_http import StubHandler, StubServer
 
 TOKEN = "s3cret-token"
 
@@ -189,38 +189,25 @@ def test_operator_and_webhook_need_the_token_and_a_page_for_this_instance_opens_
         assert all("alerts" not in b for b in fake.bodies)
 
 
-class StatusServer:
+class StatusServer(StubServer):
     """A kv-sidecar /status stand-in whose counters the test moves."""
 
     def __init__(self) -> None:
         self.counts = {"anomalies": 0, "verified": 0}
         outer = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(StubHandler):
             def do_GET(self) -> None:
-                body = json.dumps(outer.counts).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, json.dumps(outer.counts).encode())
 
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/status"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(H)
+        self.status_url = self.url + "/status"
 
 
 def test_a_sidecars_status_opens_it_and_its_clean_verdicts_close_it() -> None:
-    st = StatusServer()
-    try:
+    with StatusServer() as st:
         st.counts.update(anomalies=4, verified=100)  # before the guard: not its business
-        with FakeServer() as fake, guarded(fake, verify_every=0, sidecar_status=st.url,
+        with FakeServer() as fake, guarded(fake, verify_every=0, sidecar_status=st.status_url,
                                            poll_every_s=3600) as guard:
             guard.poll_status()
             assert guard.breaker.state is State.CLOSED
@@ -235,8 +222,6 @@ def test_a_sidecars_status_opens_it_and_its_clean_verdicts_close_it() -> None:
             guard.poll_status()
             assert guard.breaker.state is State.CLOSED
             assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="sidecar") == 1
-    finally:
-        st.close()
 
 
 def test_a_server_that_ignores_cache_salt_is_only_alerted_on() -> None:

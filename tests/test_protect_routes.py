@@ -7,10 +7,7 @@ import contextlib
 import gzip
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 
@@ -18,6 +15,7 @@ from sidecar import signals as S
 from sidecar.protect.breaker import State
 from sidecar.protect.bypass_guard import SALT_PREFIX, BypassGuard, GuardConfig
 from sidecar.protect.http_messages import normal_path
+from tests.stub_http import StubHandler, StubServer
 
 
 @contextlib.contextmanager
@@ -25,24 +23,13 @@ def recording_upstream() -> Iterator[tuple[int, list[tuple[str, bytes]]]]:
     """An upstream that records (path, body) of every POST and answers 200 {}."""
     seen: list[tuple[str, bytes]] = []
 
-    class H(BaseHTTPRequestHandler):
+    class H(StubHandler):
         def do_POST(self) -> None:
-            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
+            seen.append((self.path, self.body()))
+            self.reply(200, b"{}")
 
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield int(httpd.server_address[1]), seen
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with StubServer(H) as stub:
+        yield stub.port, seen
 
 
 def _post(guard: BypassGuard, target: str, body: bytes, *extra: str) -> int:

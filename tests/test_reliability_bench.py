@@ -24,7 +24,8 @@ def test_bench_reliability_quick_json() -> None:
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     rows = {r["name"]: r for r in out["rows"]}
-    assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "http_requests",
+    assert set(rows) == {"kv_events", "probe_wire", "hook_objects", "hit_shapes",
+                         "http_requests",
                          "adapter_faults", "evidence_sigkill",
                          "config_files", "config_env", "bearer_auth",
                          "replay proxy"}  # testbed/kvtestbed/bench/reliability_proxy.py

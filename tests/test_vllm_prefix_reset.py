@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -16,35 +14,23 @@ import pytest
 from sidecar import signals as S
 from sidecar.adapters.vllm.prefix_reset import PrefixCacheReset, ResetSettings
 from sidecar.export.metrics import Metrics
+from tests.stub_http import StubHandler, StubServer
 
 
-class FakeVllm:
+class FakeVllm(StubServer):
     def __init__(self, busy_for: int, dev_mode: bool = True) -> None:
         self.busy_for, self.calls = busy_for, 0
         outer = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(StubHandler):
             def do_POST(self) -> None:
                 if not dev_mode or self.path != "/reset_prefix_cache":
                     self.send_error(404)
                     return
                 outer.calls += 1
-                body = json.dumps({"success": outer.calls > outer.busy_for}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, json.dumps({"success": outer.calls > outer.busy_for}).encode())
 
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(H)
 
 
 @pytest.fixture
@@ -52,14 +38,8 @@ def metrics() -> Metrics:
     return Metrics("vllm", "tiny")
 
 
-def _fake(**kw: Any) -> Iterator[FakeVllm]:
-    f = FakeVllm(**kw)
-    yield f
-    f.close()
-
-
 def test_retries_while_blocks_are_held_then_resets(metrics: Metrics) -> None:
-    for fake in _fake(busy_for=3):
+    with FakeVllm(busy_for=3) as fake:
         r = PrefixCacheReset(fake.url, ResetSettings(backoff_s=0.001), metrics)
         entry = r.reset_now("page")
         assert entry["result"] == "reset" and entry["attempts"] == 4 and fake.calls == 4
@@ -67,21 +47,21 @@ def test_retries_while_blocks_are_held_then_resets(metrics: Metrics) -> None:
 
 
 def test_gives_up_as_busy_after_its_attempts(metrics: Metrics) -> None:
-    for fake in _fake(busy_for=100):
+    with FakeVllm(busy_for=100) as fake:
         r = PrefixCacheReset(fake.url, ResetSettings(attempts=3, backoff_s=0.001), metrics)
         assert r.reset_now()["result"] == "busy" and fake.calls == 3
         assert metrics.value(S.PREFIX_CACHE_RESETS.name, result="busy") == 1
 
 
 def test_without_dev_mode_it_says_unsupported_once(metrics: Metrics) -> None:
-    for fake in _fake(busy_for=0, dev_mode=False):
+    with FakeVllm(busy_for=0, dev_mode=False) as fake:
         r = PrefixCacheReset(fake.url, ResetSettings(backoff_s=0.001), metrics)
         assert r.reset_now() == {**r.history[0], "result": "unsupported", "attempts": 1}
 
 
 def test_requests_are_rate_limited(metrics: Metrics) -> None:
     now = [0.0]
-    for fake in _fake(busy_for=0):
+    with FakeVllm(busy_for=0) as fake:
         r = PrefixCacheReset(fake.url, ResetSettings(min_interval_s=60, backoff_s=0.001),
                              metrics, clock=lambda: now[0])
         assert r.request()
@@ -111,7 +91,7 @@ def test_vllm_serve_flag_wires_an_anomalous_verdict_to_a_reset(metrics: Metrics)
 
     from sidecar.adapters.vllm.cli import _prefix_reset, parser
 
-    for fake in _fake(busy_for=0):
+    with FakeVllm(busy_for=0) as fake:
         args = parser().parse_args(["serve", "--model", "m", "--dtype", "float32",
                                     "--block-size", "32", "--reset-prefix-cache",
                                     "--engine-url", fake.url])

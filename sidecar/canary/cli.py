@@ -154,6 +154,14 @@ def _run(args: argparse.Namespace) -> int:
 
     endpoint = parse_endpoint(args.endpoint, args.allow_remote)
     cfg = config_from_args(args)
+    token = None
+    if args.port is not None:  # its /status is the control surface the token guards
+        from sidecar.export.server import load_token
+
+        try:
+            token = load_token()  # an empty one is an error, never "auth off"
+        except ValueError as exc:
+            raise CanaryError(str(exc)) from None
     client = OpenAIClient(endpoint, args.model, args.timeout)
     canary = make_canary(client, cfg)
     servers: list[Any] = []
@@ -165,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
 
             srv = SidecarServer(canary.exporter.metrics.registry,
                                 lambda: canary.report.as_dict(), host=args.host,
-                                port=args.port).start()
+                                port=args.port, token=token).start()
             servers.append(srv)
             print(f"canary /metrics on {srv.url}/metrics", file=sys.stderr, flush=True)
         if args.replay_port is not None:

@@ -44,9 +44,9 @@ from sidecar import signals as S
 from sidecar.checks.calibration_profile import Profile, ProfileEntry, load_profile
 from sidecar.checks.tolerance import (
     DEFAULT_CALIBRATION_SAMPLES,
-    check_override,
     min_tolerance,
     override_for,
+    override_problems,
     tolerance_for,
 )
 
@@ -77,8 +77,9 @@ class CalibrationConfig:
             raise ValueError(f"drift window must be >= {MIN_DRIFT_ERRORS}, got {self.window}")
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError(f"drift quantile must be in (0, 1], got {self.quantile}")
-        for key, value in self.overrides.items():
-            check_override(key, value)
+        problems = override_problems(self.overrides)
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 def calibration_config(sidecar: Any) -> CalibrationConfig:

@@ -19,6 +19,39 @@ from sidecar.core.protocol import BlockRef, Hit
 from sidecar.signals import AnomalyKind
 
 ROOT_DIGEST = 0x6B7673696465636172  # "kvsidecar": the parent of every first block
+# Token ids are vocabulary indices; every engine keeps them in an int32 tensor (vocabularies
+# are under a million). Past this a value is not a token id, whatever its type.
+MAX_TOKEN_ID = (1 << 31) - 1
+_TEXT = (str, bytes, bytearray)
+
+
+def token_ids_problem(hit: Hit, needed: int) -> str | None:
+    """Why ``hit.tokens`` cannot be checked, or ``None``: a sequence of ints in ``[0,
+    MAX_TOKEN_ID]``, at least ``hit_tokens`` of them (the protocol's promise: the recompute
+    and the evidence record read them all) and at least ``needed`` (the chosen blocks').
+
+    The hook path never walks a hit's tokens (O(1) per unsampled hit); the verifier asks
+    this first, off the engine's thread. Without it a ``True`` or ``1.0`` hashes like ``1``
+    (the digests would match stored ints), ``[[1]]`` fails the hash and ``"a"`` the recompute
+    and the evidence record: tracebacks and false token mismatches for what is bad input, a
+    counted drop (``bad_tokens``). Never raises: a sequence whose own methods raise is a
+    problem named by its exception."""
+    try:
+        tokens = hit.tokens
+        if not isinstance(tokens, Sequence) or isinstance(tokens, _TEXT):
+            return f"the tokens are a {type(tokens).__name__}, not a sequence of ints"
+        needed = max(needed, hit.hit_tokens)
+        if len(tokens) < needed:
+            return f"{len(tokens)} tokens for a hit that needs {needed}"
+        head = tokens[:needed]
+        strangers = {type(t) for t in head} - {int}
+        if strangers:
+            return "token ids of type " + ", ".join(sorted(t.__name__ for t in strangers))
+        if head and not (min(head) >= 0 and max(head) <= MAX_TOKEN_ID):
+            return f"token ids outside [0, {MAX_TOKEN_ID}]"
+    except Exception as exc:  # a hostile sequence's __len__/__getitem__/__iter__ raised
+        return f"reading the tokens raised {type(exc).__name__}"
+    return None
 
 
 def tokens_hash(tokens: Sequence[int]) -> int:
@@ -75,6 +108,12 @@ def hit_digests(hit: Hit, block_size: int, upto_index: int) -> list[int]:
         parent = token_digest(parent, hit.tokens[i * block_size:(i + 1) * block_size])
         out.append(parent)
     return out
+
+
+def generation_at_hit(hit: Hit, ref: BlockRef) -> int | None:
+    """The allocation generation the hit claims for ``ref``'s block, if it gives one."""
+    gens = hit.generations.get(ref.group_id)
+    return int(gens[ref.index]) if gens is not None and ref.index < len(gens) else None
 
 
 def check_keys(hit: Hit, ref: BlockRef, record: StoreRecord | None, block_size: int,

@@ -40,6 +40,7 @@ dtype, so a reference whose floor is exactly 0 still tolerates one rounding step
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar.core.capabilities import REFERENCE_KINDS  # declared with the capability
@@ -128,6 +129,18 @@ def check_override(key: str, value: float) -> None:
         raise ValueError(f"tolerance for {key!r} must be a number > 0 and <= {MAX_OVERRIDE:g}, "
                          f"got {value} (a looser tolerance passes KV that differs by more "
                          f"than a KV element's typical size: the check would be blind)")
+
+
+def override_problems(overrides: Mapping[str, float]) -> list[str]:
+    """Every entry of a tolerances table that :func:`check_override` refuses, each named
+    (a file with three bad entries hears of all three, not one per run)."""
+    problems = []
+    for key, value in overrides.items():
+        try:
+            check_override(key, value)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def override_for(overrides: dict[str, float], reference: str, dtype: str) -> float | None:

@@ -38,7 +38,13 @@ from sidecar.checks.content import check_content
 from sidecar.checks.coverage import check_coverage, tier_state_at
 from sidecar.checks.fingerprint import check_fingerprint
 from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
-from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
+from sidecar.checks.keys import (
+    StoreRecord,
+    check_keys,
+    generation_at_hit,
+    hit_digests,
+    token_ids_problem,
+)
 from sidecar.checks.recompute import block_error
 from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
@@ -114,6 +120,7 @@ class Verifier:
         self._groups = {g.group_id: g for g in info.groups}
         self.recomputes = Gate("recompute", max_recomputes)
         self.recoveries = Gate("recovery", max_recoveries)
+        self.bad_tokens = 0  # samples dropped for their token ids (logged at 1, 10, 100..)
 
     @property
     def reference_kind(self) -> str:
@@ -153,11 +160,19 @@ class Verifier:
         if not refs:
             return
         bs = self.info.block_size
-        digests = hit_digests(hit, bs, max(r.index for r in refs))
+        last = max(r.index for r in refs)
+        problem = token_ids_problem(hit, bs * (last + 1))
+        if problem is not None:  # never hashed, recomputed or recorded: a counted drop
+            self.bad_tokens += 1
+            if math.log10(self.bad_tokens).is_integer():
+                log.warning("sample dropped (bad_tokens, %d so far): %s", self.bad_tokens,
+                            problem)
+            return _drop(verdict, DropReason.BAD_TOKENS, len(refs))
+        digests = hit_digests(hit, bs, last)
         condemned: set[BlockRef] = set()
         for ref in refs:
             record = sample.records.get(ref)
-            found = check_keys(hit, ref, record, bs, _generation_at_hit(hit, ref), digests)
+            found = check_keys(hit, ref, record, bs, generation_at_hit(hit, ref), digests)
             if found and record is not None:  # stored one block off / an earlier boundary
                 group = self._groups.get(ref.group_id)
                 found = [misplaced(group, ref, record.prefix_tokens, bs, f) for f in found]
@@ -249,7 +264,7 @@ class Verifier:
     def _moved(self, sample: Sample, ref: BlockRef, block: BlockKV) -> bool:
         """Whether the block was freed or stored again between the match and this read: the
         sidecar's epoch moved, or the engine's generation stamp did."""
-        at_hit = _generation_at_hit(sample.hit, ref)
+        at_hit = generation_at_hit(sample.hit, ref)
         return self._epoch_moved(sample, ref) or (
             block.generation is not None and at_hit is not None and block.generation != at_hit)
 
@@ -356,11 +371,6 @@ class Verifier:
             verdict.adapter_errors.append((op, "error"))
             _drop(verdict, DropReason.ADAPTER_ERROR, at_stake)
         return None
-
-
-def _generation_at_hit(hit: Hit, ref: BlockRef) -> int | None:
-    gens = hit.generations.get(ref.group_id)
-    return int(gens[ref.index]) if gens is not None and ref.index < len(gens) else None
 
 
 def _same_bytes(a: BlockKV, b: BlockKV) -> bool:

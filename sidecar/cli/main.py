@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
 import signal
 import sys
 from collections.abc import Sequence
@@ -130,7 +132,45 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: finally blocks close the server
 
 
+# 128 + SIGPIPE: what a shell reports for a command whose reader went away (`| head -1`).
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has closed it: its write end polls
+    as an error. Tells a closed stdout apart from a broken pipe to a peer (an engine, a
+    server), which stays an ordinary error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno: a test's StringIO, closed
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The entry point. A closed stdout (``kv-sidecar signals | true``) ends the command
+    quietly with 141, as a shell reports it, instead of a traceback about a broken pipe
+    (Python ignores SIGPIPE, so every write to the pipe raises). SIGPIPE itself is left
+    ignored: the sidecar's servers write to sockets whose peers may go away at any time."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # argparse's --help exits too: what is buffered fails here, not at teardown
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_gone():
+            print("kv-sidecar: error: broken pipe", file=sys.stderr)
+            return 1
+        # Nothing more can reach the reader; point stdout at /dev/null so the interpreter's
+        # last flush of the buffered rest does not report the same broken pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["vllm"]:  # its own parser: every flag after `vllm` is the adapter's
@@ -141,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from sidecar.adapters.vllm.cli import main as vllm_main
 
-        return vllm_main(argv[1:] or ["--help"])
+        return vllm_main(argv[1:])  # alone: its help, exit 2
     if argv[:1] == ["sglang"]:  # its own parser too; the pipe needs the vllm extra's zmq
         try:
             require("vllm")
@@ -150,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from sidecar.adapters.sglang.cli import main as sglang_main
 
-        return sglang_main(argv[1:] or ["--help"])
+        return sglang_main(argv[1:])  # alone: its help, exit 2
     if argv[:1] and argv[0] in TESTBED_COMMANDS and testbed_parsers() is None:
         print(f"kv-sidecar: error: {TESTBED_MISSING.format(command=argv[0])}", file=sys.stderr)
         return 2
@@ -201,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kv-sidecar: error: {problem}", file=sys.stderr)
         return 2
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            raise  # main(): the reader went away
         print(f"kv-sidecar: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

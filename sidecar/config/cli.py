@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sidecar.checks.tolerance import override_problems
 from sidecar.config.key_table import SIDECAR
 from sidecar.config.layers import CONFIG_ENV, ConfigError, Layers, Schema, Value, load
 from sidecar.config.schema import (
@@ -153,7 +154,11 @@ def sidecar_problems(schema: Schema, layers: Layers) -> list[str]:
                               for m, w in values.items()}) is None]
     if not culprits:
         return [f"[{SIDECAR}] {problem}"]
-    return [f"{v.key.path}: {problem} ({v.origin or v.source})" for v in culprits]
+    out = []
+    for v in culprits:  # a tolerances table: each bad entry on its own line
+        each = override_problems(v.value) if v.key.name == "tolerances" else []
+        out += [f"{v.key.path}: {p} ({v.origin or v.source})" for p in each or [problem]]
+    return out
 
 
 def _invalid(values: dict[str, Any]) -> str | None:

@@ -46,7 +46,7 @@ class SidecarConfig:
     capture_max_bytes: int = 64 * 2**20
     # Where samples go (sidecar.core.dispatch): queued (a worker thread), inline, deferred.
     dispatch: Mode = "queued"
-    allocator_every_s: float = 1.0  # scheduled allocator polls (<= 0: none)
+    allocator_every_s: float = 1.0  # scheduled allocator polls (0: none)
     # Recompute tolerance (sidecar/checks/calibration.py): overrides "[REFERENCE:]DTYPE" -> value;
     # learn the noise floor from this many clean blocks (0: the fixed table), then use
     # calibration_multiple x floor (capped by the hard tolerance, floored at a few ulps).
@@ -81,8 +81,8 @@ class SidecarConfig:
     breaker_probes: int = 5
     # Admission control (sidecar/core/admission.py, hcore): at most this many adapter recomputes
     # in flight at once (abandoned timed-out ones included) and this many verifications of
-    # tier-recovered blocks; over the cap a sample is dropped (reason "admission"). <= 0:
-    # no cap.
+    # tier-recovered blocks; over the cap a sample is dropped (reason "admission"). 0: no
+    # cap.
     max_concurrent_recomputes: int = 2
     max_concurrent_recoveries: int = 4
     # Start burst (sidecar/core/burst.py): the first burst_hits hits after start (and after an
@@ -167,6 +167,7 @@ DAY_S = 86_400.0  # no duration or interval of the sidecar is sanely longer than
 MIN_RECOMPUTE_TOKENS_PER_S = 1.0
 SEED = Limit(low=-(2**63), high=2**63 - 1)
 PORT = Limit(low=0, high=65_535)
+POLL_PERIOD = Limit(low=0.05, high=DAY_S)
 # The one table of ranges and choices (types come from the field annotations / the flags'
 # argparse types): every SidecarConfig field by name, and the numeric flag keys of the
 # command sections by path ("demo.port"). Every numeric field has an entry with both bounds
@@ -191,7 +192,7 @@ LIMITS: dict[str, Limit] = {
     "leak_window": Limit(low=2, high=10**6),
     "capture_max_bytes": Limit(low=0, high=2**40),
     "dispatch": Limit(choices=MODES),
-    "allocator_every_s": Limit(low=-DAY_S, high=DAY_S),  # <= 0: no scheduled polls
+    "allocator_every_s": Limit(low=0, high=DAY_S),  # 0: no scheduled polls; < 0 is a typo
     "calibration_samples": Limit(low=0, high=10**7),
     "calibration_multiple": Limit(low=1, high=1e6),
     "scrub_every_s": Limit(low=0, low_open=True, high=DAY_S),
@@ -204,8 +205,9 @@ LIMITS: dict[str, Limit] = {
     "breaker_anomalies": Limit(low=1, high=10**6),
     "breaker_window_s": Limit(low=0, low_open=True, high=DAY_S),
     "breaker_probes": Limit(low=1, high=10**6),
-    "max_concurrent_recomputes": Limit(low=-(2**31), high=2**31),  # <= 0: no cap
-    "max_concurrent_recoveries": Limit(low=-(2**31), high=2**31),
+    # 0: no cap. A negative cap is a typo, not a second spelling of "none".
+    "max_concurrent_recomputes": Limit(low=0, high=2**31),
+    "max_concurrent_recoveries": Limit(low=0, high=2**31),
     # numeric flag keys of the command sections
     "demo.requests": Limit(low=0, high=10**7),
     "demo.seed": SEED,
@@ -214,7 +216,9 @@ LIMITS: dict[str, Limit] = {
     "demo.pace": Limit(low=0, high=3600),
     "demo.otlp_interval": Limit(low=0, low_open=True, high=DAY_S),
     "vllm.block_size": Limit(low=1, high=4096),
-    "vllm.poll_every": Limit(low=-DAY_S, high=DAY_S),
+    # Seconds between reads of the engine's /metrics: the allocator's only view of it (no
+    # "off": 0 or less would blind it); the guard's --poll-every has the same floor.
+    "vllm.poll_every": POLL_PERIOD,
     "vllm.port": PORT,
     "vllm.otlp_interval": Limit(low=0, low_open=True, high=DAY_S),
     "vllm.duration": Limit(low=0, high=DAY_S),

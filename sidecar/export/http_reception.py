@@ -13,6 +13,10 @@ all arrived, within one deadline for the whole request (not per byte). Then:
   ``max_per_peer_handlers`` of them per peer address, up to the same deadline, then 503;
   ``/metrics`` goes in rounds (:data:`SCRAPE_ROUNDS_PER_S`, all peers together).
 
+A client that sends ``Expect: 100-continue`` gets ``100 Continue`` once its head is accepted
+and its body is to be read (never before a 413 or another refusal); an expectation other
+than ``100-continue`` is answered 417 (RFC 9110 10.1.1).
+
 Connections held are bounded in total and per peer. A new connection over either bound
 evicts the oldest still-incomplete one (of that peer, or of all) rather than being
 refused: a request sent whole (a probe, a scrape) completes on its first read, so an
@@ -53,6 +57,9 @@ TOO_LARGE = response(431, "Request Header Fields Too Large", b"request too large
 BODY_TOO_LARGE = response(413, "Content Too Large", b"request body too large\n")
 BAD_REQUEST = response(400, "Bad Request", b"bad request\n")
 TIMED_OUT = response(408, "Request Timeout", b"request not complete in time\n")
+EXPECTATION_FAILED = response(417, "Expectation Failed",
+                              b"unsupported expectation: only 100-continue is known\n")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 @dataclass(eq=False)
@@ -69,6 +76,9 @@ class Connection:
     path: str = ""
     released: bool = False  # a /metrics request whose round has come
     pending: bytes = b""  # the rest of a response the reception began to send
+    # The client waits for "100 Continue" before sending its body (RFC 9110 10.1.1): set
+    # once the head says so and the body will be read; cleared when it is sent.
+    wants_continue: bool = False
 
     @property
     def peer(self) -> str:
@@ -237,6 +247,10 @@ class Reception(threading.Thread):
         conn.data += chunk
         verdict = examine(conn, start)
         if verdict == MORE:
+            if conn.wants_continue:  # the head is in, accepted: now the body may come
+                conn.wants_continue = False
+                with contextlib.suppress(OSError):  # 25 bytes: fits the send buffer
+                    conn.sock.send(CONTINUE)
             return  # head or body still coming, within the same deadline
         if isinstance(verdict, bytes):
             self.refused += 1
@@ -342,9 +356,12 @@ def _parse_head(conn: Connection, end: int) -> bytes | None:
     conn.method = parts[0].decode("latin-1")
     conn.path = parts[1].split(b"?", 1)[0].decode("latin-1")
     length = -1
+    expected: set[bytes] = set()
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
+        if name == b"expect":  # a list, maybe over several lines (RFC 9110 10.1.1)
+            expected.update(m.strip().lower() for m in value.split(b",") if m.strip())
         if name == b"transfer-encoding":
             return BAD_REQUEST  # no endpoint takes a chunked body
         if name == b"content-length":
@@ -355,7 +372,13 @@ def _parse_head(conn: Connection, end: int) -> bytes | None:
                 return BAD_REQUEST  # two lengths: which body? (RFC 9112 6.3)
             length = int(text)
     length = max(length, 0)
+    if expected - {b"100-continue"}:
+        return EXPECTATION_FAILED
     if length > MAX_BODY_BYTES:
-        return BODY_TOO_LARGE
+        return BODY_TOO_LARGE  # before the client sends it: no 100 Continue
     conn.need = end + length
+    # 100 Continue only for a body still to come, to an HTTP/1.1 client (an HTTP/1.0 one's
+    # expectation is ignored, RFC 9110 10.1.1); a body already arriving needs none.
+    conn.wants_continue = bool(expected) and length > 0 and len(conn.data) == end \
+        and parts[2] != b"HTTP/1.0"
     return None

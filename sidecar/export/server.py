@@ -306,6 +306,11 @@ class SidecarServer:
                 with contextlib.suppress(OSError):
                     self.wfile.flush()
 
+            def handle_expect_100(self) -> bool:
+                """The reception sent ``100 Continue`` before it read the body (or the
+                body came without one); the body is read by now: never a second one."""
+                return True
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 try:

@@ -14,7 +14,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                         "proxy-authorization", "te", "trailers", "transfer-encoding",
                         "upgrade", "host", "content-length", "expect"})
 _REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
-            411: "Length Required", 413: "Content Too Large",
+            411: "Length Required", 413: "Content Too Large", 417: "Expectation Failed",
             431: "Request Header Fields Too Large", 502: "Bad Gateway",
             503: "Service Unavailable", 504: "Gateway Timeout"}
 MAX_HEADERS = 100
@@ -158,6 +158,20 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]], int]:
     if not text.isdigit() or not text.isascii() or len(text) > 18:
         raise BadRequest(400, f"bad Content-Length {text[:40]!r}")
     return method, target, headers, int(text)
+
+
+def wants_continue(head: bytes, headers: Iterable[tuple[str, str]], length: int) -> bool:
+    """Whether the client waits for ``100 Continue`` before its body (RFC 9110 10.1.1):
+    an ``Expect: 100-continue`` from an HTTP/1.1 client (an HTTP/1.0 one's is ignored) with a
+    body to come. Any other expectation is :class:`BadRequest` 417: the proxy cannot meet
+    it, and dropping the (hop-by-hop) header silently would leave the client waiting for
+    something that will never come. ``head``: the request head as parsed by
+    :func:`parse_head`."""
+    expected = {m.strip().lower() for k, v in headers if k.lower() == "expect"
+                for m in v.split(",") if m.strip()}
+    if expected - {"100-continue"}:
+        raise BadRequest(417, "unsupported expectation: only 100-continue is known")
+    return bool(expected) and length > 0 and not head.split(b"\r\n", 1)[0].endswith(b"/1.0")
 
 
 def status_of(first: bytes) -> int | None:

@@ -16,7 +16,14 @@ import socket
 import threading
 import time
 
-from sidecar.protect.http_messages import BadRequest, ForwardLimits, Request, error, parse_head
+from sidecar.protect.http_messages import (
+    BadRequest,
+    ForwardLimits,
+    Request,
+    error,
+    parse_head,
+    wants_continue,
+)
 
 log = logging.getLogger("sidecar.protect.forward")
 
@@ -174,8 +181,10 @@ class Reception:
             return
         if end > lim.max_header_bytes:
             raise BadRequest(431, "request head too large")
-        method, target, headers, length = parse_head(bytes(c.buf[:end]))
-        if length > lim.max_body_bytes:
+        head = bytes(c.buf[:end])
+        method, target, headers, length = parse_head(head)
+        expects_continue = wants_continue(head, headers, length)  # 417 for another one
+        if length > lim.max_body_bytes:  # refused before the client sends it: no 100
             raise BadRequest(413, f"body of {length} bytes is over the proxy's "
                                   f"limit of {lim.max_body_bytes}")
         tail = c.buf[end + 4:]
@@ -191,8 +200,7 @@ class Reception:
         c.buf[:len(tail)] = tail
         c.head_end, c.length = len(tail), length  # head_end: body bytes received so far
         c.request = Request(method, target, headers, b"", c.peer)
-        expect = c.request.header("Expect")
-        if expect and expect.lower() == "100-continue" and not tail:
+        if expects_continue and not tail:  # accepted, the body will be read: now send it
             with contextlib.suppress(OSError):
                 c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 

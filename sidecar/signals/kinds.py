@@ -77,6 +77,9 @@ class DropReason(enum.StrEnum):
     CAPTURE_TOO_LARGE = "capture_too_large"  # served-KV capture over capture_max_bytes
     SHUTDOWN = "shutdown"
     ADMISSION = "admission"  # over the cap on concurrent recomputes / recoveries
+    # The hit's token ids are not ints in range (a bool, float, string, nested list, a
+    # huge int) or too few for the chosen blocks: bad input, never hashed or recomputed.
+    BAD_TOKENS = "bad_tokens"
 
 
 class AdapterErrorReason(enum.StrEnum):

@@ -6,29 +6,29 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import BaseHTTPRequestHandler
+
+from tests.stub_http import StubHandler, StubServer
 
 
 class UsageDoctor:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.rewritten = 0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
+        self.stub: StubServer | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        assert self.stub is not None, "a UsageDoctor serves inside its with block"
+        return self.stub.url
 
     def __enter__(self) -> UsageDoctor:
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.stub = StubServer(self._handler())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.stub is not None:
+            self.stub.stop()
 
     def doctor(self, raw: bytes) -> bytes:
         body = json.loads(raw)
@@ -41,12 +41,11 @@ class UsageDoctor:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         doc = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(StubHandler):
             disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall per answer
 
             def _relay(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                data = self.rfile.read(n) if n else None
+                data = self.body() or None
                 conn = http.client.HTTPConnection("127.0.0.1", doc.upstream_port, timeout=60)
                 conn.request(self.command, self.path, body=data,
                              headers={"Content-Type": "application/json"})
@@ -54,16 +53,9 @@ class UsageDoctor:
                 out = resp.read()
                 if self.path.endswith("/completions") and resp.status == 200:
                     out = doc.doctor(out)
-                self.send_response(resp.status)
-                self.send_header("Content-Type", resp.getheader("Content-Type") or "")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                self.reply(resp.status, out, resp.getheader("Content-Type") or "")
                 conn.close()
 
             do_GET = do_POST = _relay
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                return None
 
         return Handler

@@ -22,6 +22,8 @@ import threading
 
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV
 from sidecar.checks import tolerance
+from sidecar.cli.arg_types import bounded
+from sidecar.config.settings import POLL_PERIOD
 
 
 def _engine_args(a: argparse.Namespace) -> int:
@@ -46,9 +48,15 @@ def _serve(a: argparse.Namespace) -> int:
                               adapter_timeout_s=a.adapter_timeout,
                               recompute_tokens_per_s=a.recompute_budget,
                               **tolerance.config_fields(a)))
-    sc = SglangSidecar(cfg).start()
+    try:
+        token = load_token()  # before anything starts: an empty token is an error
+        sc = SglangSidecar(cfg)  # describe() from --model: nothing is running yet
+    except ValueError as exc:  # CheckpointError, a bad --reference, the token: one line
+        print(f"kv-sidecar sglang serve: error: {exc}", file=sys.stderr)
+        return 2
+    sc.start()
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
-                           token=load_token()).start()
+                           token=token).start()
     print(f"kv-sidecar for SGLang: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -88,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--adapter-timeout", type=float, default=10.0)
         s.add_argument("--recompute-budget", type=float, default=100_000.0,
                        help="recomputed tokens per second at most (<= 0: unlimited)")
-        s.add_argument("--poll-every", type=float, default=2.0,
+        s.add_argument("--poll-every", type=bounded(float, POLL_PERIOD.low or 0,
+                                                    POLL_PERIOD.high), default=2.0,
                        help="seconds between reads of SGLang's /metrics")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=9400)
@@ -103,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    a = parser().parse_args(argv)
+    p = parser()
+    if not argv and argv is not None:  # `kv-sidecar sglang` alone: which subcommand?
+        p.print_help()
+        return 2
+    a = p.parse_args(argv)
     return int(a.fn(a))
 
 

@@ -49,24 +49,46 @@ def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks
 
 
+# A config.json is a few KB (a vision model's tens); past this it is not one.
+MAX_CHECKPOINT_CONFIG_BYTES = 4 << 20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot describe the engine; ``str()`` is one line naming
+    it and what is wrong (the CLIs print it and exit 2)."""
+
+
 def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,
                                 model_name: str | None = None) -> EngineInfo:
     """EngineInfo for vLLM serving ``model_dir``: the cache groups vLLM builds for its
     layer kinds (:func:`.groups.groups_from_config`: full attention, sliding window,
     recurrent state; vLLM's null block 0 named in each). The probe's hello reports the
-    engine's actual groups, and a mismatch is logged loudly."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    if dtype in ("auto", ""):
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    engine's actual groups, and a mismatch is logged loudly. A directory without a
+    readable model ``config.json`` is :class:`CheckpointError`."""
+    from sidecar.config.toml_file import FileProblem, read_small_text
+
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(read_small_text(path, "checkpoint config",
+                                         MAX_CHECKPOINT_CONFIG_BYTES))
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        kv_heads = int(cfg.get("num_key_value_heads", heads))
+        groups = groups_from_config(cfg)
+        if dtype in ("auto", ""):
+            dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    except FileProblem as exc:
+        raise CheckpointError(f"--model {model_dir}: {exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError,
+            RecursionError) as exc:  # the file's content: not JSON, or not a model config
+        what = f"no {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+        raise CheckpointError(f"--model {model_dir}: {path} is not a model config "
+                              f"({what})") from None
     return EngineInfo(
         engine="vllm", model=model_name or Path(model_dir).name,
         revision=str(cfg.get("_commit_hash") or "local"), dtype=dtype.removeprefix("torch."),
-        block_size=block_size, num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        groups=groups_from_config(cfg),
+        block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim, groups=groups,
         key_fields=VLLM_KEY_FIELDS)
 
 

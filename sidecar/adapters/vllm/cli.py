@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from sidecar.adapters.vllm import arguments
+from sidecar.adapters.vllm.adapter import CheckpointError
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
 from sidecar.checks import tolerance
 from sidecar.config.cli import add_config_arguments, configure
@@ -45,6 +46,11 @@ def _engine_args(a: argparse.Namespace) -> int:
             burst.burst_every))]
     if a.events:
         flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
+    if not flags:  # an empty line would pass for "no flags needed"
+        print("kv-sidecar vllm engine-args: error: nothing to connect: give --probe (the "
+              "probe's socket, e.g. ipc:///tmp/kvsidecar-probe.sock) and/or --events (vLLM's "
+              "KV event endpoint)", file=sys.stderr)
+        return 2
     print(" ".join(shlex.quote(f) for f in flags))
     return 0
 
@@ -75,7 +81,12 @@ def _serve(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
-    sc = VllmSidecar(cfg).start()
+    try:
+        sc = VllmSidecar(cfg)  # describe() from --model: nothing is running yet
+    except CheckpointError as exc:
+        print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
+        return 2
+    sc.start()
     reset = _prefix_reset(a, sc)
     push = None
     if a.otlp_endpoint:
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "%(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     p = parser()
+    if not argv and argv is not None:  # `kv-sidecar vllm` alone: which subcommand?
+        p.print_help()
+        return 2
     a = p.parse_args(argv)
     try:  # fill what the flags did not give from KVSIDECAR_* and --config FILE
         configure("vllm", a.cmd, p, argv if argv is not None else sys.argv[1:], a)

@@ -3,7 +3,8 @@ the sidecar (issue 12)? Prints what was tried, how many cases, what survived, wh
 and what was lost (both must be 0), and with ``--json`` one JSON object.
 
 * fuzzers (:mod:`kvtestbed.bench.fuzz`): >= 100k seeded mutation cases per decoder: KV
-  events, probe wire, hook objects, HTTP requests;
+  events, probe wire, hook objects, HTTP requests; sampled hits with hostile insides (token
+  ids, group maps: :mod:`kvtestbed.bench.fuzz_hits`) verified inline, each accounted for;
 * floods: engine-thread hook latency (p99) under a hostile flood vs a clean one, measured
   side by side; KV event series count under hostile label values; idle-connection and
   scraper floods against the HTTP server;
@@ -197,6 +198,10 @@ def _stages(out: dict[str, Any], quick: bool, seed: int) -> dict[str, Any]:
         json.dumps(mon.summary(), allow_nan=False)  # state not poisoned by the fuzz
     finally:
         mon.stop()
+    from kvtestbed.bench.fuzz_hits import fuzz_hit_shapes  # verified inline: ~10 ms a case
+
+    _progress("hit_shapes")
+    rows.append(fuzz_hit_shapes(300 if quick else 5000, seed + 8))
     _progress("adapter_faults")
     rows.append(adapter_faults(40 if quick else 400, seed + 4))
     _progress("evidence_sigkill")
@@ -277,9 +282,9 @@ def print_table(out: dict[str, Any]) -> None:
     floods = out["floods"]
     if "hook_latency" in floods:
         h = floods["hook_latency"]
-        print(f"\nhook flood ({h['calls']} calls in interleaved {h['batch']}-call batches, "
-              f"hit of {h['hit_tokens']} tokens): p99 of the per-call batch means, best of "
-              f"{h['runs']} runs, clean "
+        print(f"\nhook flood ({h['calls']} calls: {h['inputs']} inputs a side, hit of "
+              f"{h['hit_tokens']} tokens): p99 over the inputs of each one's per-call cost "
+              f"(best of {h['rounds']} interleaved {h['batch']}-call batches), clean "
               f"{h['clean_p99_us']:.1f} us, hostile {h['hostile_p99_us']:.1f} us "
               f"(ratio {h['ratio']:.2f}, target <= 2); unsampled {h['long_hit_tokens']}-token "
               f"hit p99 {h['long_hit_p99_us']:.1f} us (break 7: O(hit) cost left in "
