@@ -92,13 +92,17 @@ def kv_digest(key: torch.Tensor, value: torch.Tensor, algorithm: str | None = No
     return f"{algo}:{fn(tensor_bytes(key), tensor_bytes(value))}"
 
 
+def checkable(digest: str) -> bool:
+    """Whether this sidecar can recompute a digest of ``digest``'s algorithm."""
+    algo = digest.rpartition(":")[0]
+    return algo in ALGORITHMS or algo in DEVICE_ALGORITHMS
+
+
 def check_fingerprint(block: BlockKV, stored_digest: str | None) -> list[Finding]:
-    if stored_digest is None:
+    # no digest, or one this sidecar cannot recompute: no verdict
+    if stored_digest is None or not checkable(stored_digest):
         return []
-    algo, _, _ = stored_digest.rpartition(":")
-    # a digest this sidecar cannot recompute: no verdict
-    if algo not in ALGORITHMS and algo not in DEVICE_ALGORITHMS:
-        return []
+    algo = stored_digest.rpartition(":")[0]
     now = kv_digest(block.key, block.value, algo)
     if now != stored_digest:
         ref = block.ref

@@ -36,14 +36,24 @@ from sidecar.checks.base import Finding
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.content import check_content
 from sidecar.checks.coverage import check_coverage, tier_state_at
-from sidecar.checks.fingerprint import check_fingerprint
+from sidecar.checks.fingerprint import check_fingerprint, checkable
 from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
+from sidecar.checks.recompute_budget import TokenBucket
 from sidecar.checks.structure import check_structure
 from sidecar.core.admission import Gate
 from sidecar.core.attach import Capabilities, resolve
-from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
+from sidecar.core.protocol import (
+    Adapter,
+    BlockKV,
+    BlockRef,
+    BlockWrite,
+    EngineInfo,
+    GroupKind,
+    Hit,
+    WritePath,
+)
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.signals import AnomalyKind, DropReason
 
@@ -62,6 +72,7 @@ class Sample:
     captured_at: float
     epochs: Mapping[BlockRef, int] = field(default_factory=dict)
     captured: Mapping[BlockRef, BlockKV] | None = None
+    writes: Mapping[BlockRef, BlockWrite] = field(default_factory=dict)  # a probe's, at write
 
 
 @dataclass
@@ -80,6 +91,7 @@ class Verdict:
     # served and, where the recompute ran, the reference (None: condemned before it).
     kv: dict[BlockRef, tuple[BlockKV, BlockKV | None]] = field(default_factory=dict)
     tolerance: float | None = None  # the recompute tolerance the comparison used
+    fingerprints: dict[BlockRef, bool] = field(default_factory=dict)  # digest at write matched
 
     @property
     def anomalous(self) -> bool:
@@ -87,31 +99,6 @@ class Verdict:
 
     def kinds(self) -> set[AnomalyKind]:
         return {f.kind for f in self.findings}
-
-
-class TokenBucket:
-    """The recompute budget: at most ``rate`` recomputed tokens per second on average."""
-
-    def __init__(self, rate: float, burst: float | None = None) -> None:
-        self.rate = rate
-        self.capacity = burst if burst is not None else max(rate, 1.0)
-        self._tokens = self.capacity
-        self._at = time.monotonic()
-        self._lock = threading.Lock()
-
-    def take(self, n: float) -> bool:
-        if self.rate <= 0:
-            return True  # unlimited
-        with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-            if n > self.capacity:  # one oversized sample may run when the bucket is full
-                n = self.capacity
-            if self._tokens >= n:
-                self._tokens -= n
-                return True
-            return False
 
 
 class Verifier:
@@ -234,8 +221,7 @@ class Verifier:
                 found = check_partial_zero(block)  # before "zeros" claims a half-copied block
             found = found or check_content(block)
             if not found:
-                record = sample.records.get(ref)
-                found = check_fingerprint(block, record.kv_digest if record else None)
+                found = self._fingerprint(sample, block, verdict)
             if found:
                 condemned.add(ref)
                 verdict.findings.extend(found)
@@ -260,6 +246,16 @@ class Verifier:
             verdict.verified.extend(b.ref for b in passed)
             return
         self._compare(hit, passed, verdict)
+
+    def _fingerprint(self, sample: Sample, block: BlockKV, verdict: Verdict) -> list[Finding]:
+        """The write-time digest (the store record's, else the probe's write record's)
+        against the bytes now; the outcome of each block it could judge is on the verdict."""
+        record, write = sample.records.get(block.ref), sample.writes.get(block.ref)
+        digest = (record.kv_digest if record else None) or (write.kv_digest if write else None)
+        found = check_fingerprint(block, digest)
+        if digest is not None and checkable(digest):
+            verdict.fingerprints[block.ref] = not found
+        return found
 
     def _null(self, ref: BlockRef) -> bool:
         group = self._groups.get(ref.group_id)
@@ -290,6 +286,7 @@ class Verifier:
             verdict.adapter_errors.append(("recompute", "unexpected_block"))
         kind = self.reference_kind
         cal = self.calibration
+        writes = verdict.sample.writes
         failed: list[tuple[BlockKV, float]] = []
         for block in blocks:
             ref_kv = by_ref.get(block.ref)
@@ -310,10 +307,12 @@ class Verifier:
             verdict.max_error = err if verdict.max_error is None else max(verdict.max_error, err)
             verdict.errors.append((block.ref.group_id, err))
             verdict.verified.append(block.ref)
-            tol = cal.tolerance(kind)
+            # Per write path: a prefill recompute of a decode-written block rounds apart.
+            path = writes[block.ref].write_path if block.ref in writes else WritePath.ALL
+            tol = cal.tolerance(kind, path)
             verdict.tolerance = tol
             passed = err <= tol
-            cal.observe(kind, err, passed)
+            cal.observe(kind, err, passed, path)
             if not passed:
                 verdict.kv[block.ref] = (block, ref_kv)  # for the evidence record
                 failed.append((block, err))
@@ -324,7 +323,8 @@ class Verifier:
                  references: dict[BlockRef, BlockKV], verdict: Verdict) -> None:
         """Name each failed block's fault family (:func:`sidecar.checks.hybrid.explain`);
         the neighbour recomputes it may need take a recompute slot like any other."""
-        tol, kind = self.tolerance, self.reference_kind
+        kind = self.reference_kind
+        tol = verdict.tolerance if verdict.tolerance is not None else self.tolerance
         dtype = self.info.dtype
 
         def recompute(refs: Sequence[BlockRef]) -> Sequence[BlockKV] | None:

@@ -27,6 +27,7 @@ from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
+    BlockWrite,
     EngineInfo,
     Hit,
     Lookup,
@@ -47,6 +48,12 @@ def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v)
               for (g, i), (k, v) in sorted(cap.kv.items())]
     return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks
+
+
+def captured_writes(cap: Capture) -> dict[BlockRef, BlockWrite]:
+    """What the probe recorded when each captured block was written (write path, digest),
+    by the same refs as :func:`captured_hit`'s blocks."""
+    return {BlockRef(g, i, int(cap.blocks[g][i])): w for (g, i), w in cap.writes.items()}
 
 
 def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,

@@ -31,6 +31,16 @@ from sidecar.config.cli import add_config_arguments, configure
 from sidecar.config.layers import ConfigError
 
 
+def _fingerprint_every(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
+
+
 def _engine_args(a: argparse.Namespace) -> int:
     flags = []
     if a.probe:
@@ -42,7 +52,7 @@ def _engine_args(a: argparse.Namespace) -> int:
                                  if k in ("burst_hits", "burst_every")})
         flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
             a.probe, a.sample_every, a.blocks_per_sample, a.seed, burst.burst_hits,
-            burst.burst_every))]
+            burst.burst_every, a.fingerprint_every))]
     if a.events:
         flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
     print(" ".join(shlex.quote(f) for f in flags))
@@ -148,6 +158,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--sample-every", type=int, default=100,
                            help="the probe samples 1 prefix hit in N")
             s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--fingerprint-every", type=_fingerprint_every, default=1,
+                           help="the probe fingerprints 1 full block in N as the engine "
+                                "writes it (default: 1, every block; 0: off)")
             s.set_defaults(fn=_engine_args)
             continue
         s.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
