@@ -75,7 +75,8 @@ def _fills(fills: list[BlockFill]) -> list[tuple[int, int, str, bool]]:
 def test_tracker_names_the_blocks_each_step_completes_and_their_write_path() -> None:
     t = WriteTracker(BS, every=1, groups=[0])
     # 100 prompt tokens, the first block a hit: this step computes 32..100, completing #1, #2.
-    step = _Step([_New("a", list(range(100)), ([7, 8, 9, 10],), 32)], num_scheduled_tokens={"a": 68})
+    step = _Step([_New("a", list(range(100)), ([7, 8, 9, 10],), 32)],
+                 num_scheduled_tokens={"a": 68})
     assert _fills(t.step(step)) == [(0, 8, "prefill", True), (0, 9, "prefill", True)]
     # Decode: one token a step; block #3 (tokens 96..127 with 4 prompt tokens) completes at 128.
     for computed in range(100, 127):
