@@ -310,8 +310,9 @@ class Verifier:
             # Per write path: a prefill recompute of a decode-written block rounds apart.
             path = writes[block.ref].write_path if block.ref in writes else WritePath.ALL
             tol = cal.tolerance(kind, path)
-            verdict.tolerance = tol
             passed = err <= tol
+            if not passed or not failed:  # the tolerance a failure was judged by
+                verdict.tolerance = tol
             cal.observe(kind, err, passed, path)
             if not passed:
                 verdict.kv[block.ref] = (block, ref_kv)  # for the evidence record
@@ -323,8 +324,7 @@ class Verifier:
                  references: dict[BlockRef, BlockKV], verdict: Verdict) -> None:
         """Name each failed block's fault family (:func:`sidecar.checks.hybrid.explain`);
         the neighbour recomputes it may need take a recompute slot like any other."""
-        kind = self.reference_kind
-        tol = verdict.tolerance if verdict.tolerance is not None else self.tolerance
+        tol, kind = verdict.tolerance or 0.0, self.reference_kind  # set with the failure
         dtype = self.info.dtype
 
         def recompute(refs: Sequence[BlockRef]) -> Sequence[BlockKV] | None:
