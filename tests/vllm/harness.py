@@ -90,6 +90,17 @@ def stop_engine(eng: Engine) -> None:
     ensure_kv_transfer_shutdown()
 
 
+def without_fingerprints(sample: Any) -> Any:
+    """``sample`` with the probe's write-time digests taken out (write paths kept): what the
+    recompute alone makes of it (the fingerprint stage would condemn a changed block first)."""
+    import dataclasses
+
+    from sidecar.core.protocol import BlockWrite
+
+    return dataclasses.replace(sample, writes={
+        r: BlockWrite(w.write_path, None, w.epoch) for r, w in sample.writes.items()})
+
+
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 2) -> list[Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

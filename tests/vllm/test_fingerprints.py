@@ -17,7 +17,6 @@ path. Then:
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import random
 import shutil
@@ -30,10 +29,16 @@ from typing import Any
 import pytest
 
 from sidecar import signals as S
-from sidecar.core.protocol import BlockWrite, GroupKind
+from sidecar.core.protocol import GroupKind
 from sidecar.signals import AnomalyKind
 from tests.vllm.conftest import MEASUREMENTS
-from tests.vllm.harness import Engine, add_layer_noise, start_engine, stop_engine
+from tests.vllm.harness import (
+    Engine,
+    add_layer_noise,
+    start_engine,
+    stop_engine,
+    without_fingerprints,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -75,11 +80,6 @@ def _full_group(eng: Engine) -> Any:
 def _conversation_of(sample: Any, conversations: list[list[int]]) -> int:
     n = min(FIRST, len(sample.hit.tokens))  # a hybrid's hit may end at an earlier boundary
     return next(i for i, c in enumerate(conversations) if list(sample.hit.tokens[:n]) == c[:n])
-
-
-def _without_fingerprints(sample: Any) -> Any:
-    return dataclasses.replace(sample, writes={
-        r: BlockWrite(w.write_path, None, w.epoch) for r, w in sample.writes.items()})
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -176,7 +176,7 @@ def test_one_layer_noise_in_one_block_is_caught_on_every_hit_serving_it(
         assert {(f.kind, f.group_id, f.block_index) for f in by_fingerprint.findings} == \
             {(AnomalyKind.FINGERPRINT_MISMATCH, full.group_id, ref.index)}
         caught[conv][0] += 1
-        by_reference = mon.verify_sample(_without_fingerprints(sample))
+        by_reference = mon.verify_sample(without_fingerprints(sample))
         err = max(e for g, e in by_reference.errors if g == full.group_id)
         errors.setdefault(f"{path} {scale:g}", []).append(round(err, 4))
         if path == "prefill":  # the exact compare alone catches it, nothing else flagged
