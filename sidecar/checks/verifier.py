@@ -36,7 +36,7 @@ from sidecar.checks.base import Finding
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.content import check_content
 from sidecar.checks.coverage import check_coverage, tier_state_at
-from sidecar.checks.fingerprint import check_fingerprint, checkable
+from sidecar.checks.fingerprint import fingerprint_check
 from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests
 from sidecar.checks.recompute import block_error
@@ -248,13 +248,13 @@ class Verifier:
         self._compare(hit, passed, verdict)
 
     def _fingerprint(self, sample: Sample, block: BlockKV, verdict: Verdict) -> list[Finding]:
-        """The write-time digest (the store record's, else the probe's write record's)
-        against the bytes now; the outcome of each block it could judge is on the verdict."""
+        """The write-time digest (the store record's, else the probe's) vs the bytes served."""
         record, write = sample.records.get(block.ref), sample.writes.get(block.ref)
-        digest = (record.kv_digest if record else None) or (write.kv_digest if write else None)
-        found = check_fingerprint(block, digest)
-        if digest is not None and checkable(digest):
-            verdict.fingerprints[block.ref] = not found
+        stored = record.kv_digest if record else None
+        found, matched = fingerprint_check(block, stored) if stored or write is None \
+            else fingerprint_check(block, write.kv_digest, write.served_digest)
+        if matched is not None:
+            verdict.fingerprints[block.ref] = matched
         return found
 
     def _null(self, ref: BlockRef) -> bool:

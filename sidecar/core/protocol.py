@@ -233,11 +233,15 @@ class WritePath(enum.StrEnum):
 class BlockWrite:
     """What the engine side recorded when a block was last written (an in-engine probe's
     write-time fingerprint): the path, the digest of its KV bytes where one was taken
-    (:mod:`sidecar.checks.fingerprint`), and the write's sequence number."""
+    (:mod:`sidecar.checks.fingerprint`), and the write's sequence number. ``served_digest``:
+    the same digest of the bytes the hit was served, taken where they live when the probe
+    has one (over the engine's own layout, like the first); without it the sidecar recomputes
+    ``kv_digest`` from the captured block."""
 
     write_path: str = WritePath.ALL.value
     kv_digest: str | None = None
     epoch: int = 0
+    served_digest: str | None = None
 
 
 @dataclass

@@ -60,6 +60,7 @@ from sidecar.adapters.vllm.block_writes import (
     BlockFill,
     WriteTable,
     WriteTracker,
+    raw_digest,
 )
 from sidecar.adapters.vllm.groups import groups_from_specs
 from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
@@ -331,7 +332,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             return
         if meta.fills:  # first: a hit in this same step may be served a block just written
             try:
-                self._table.record(meta.fills, self._read_block)
+                self._table.record(meta.fills, self._digest)
             except Exception:
                 log.exception("kv-sidecar probe: write-time fingerprints failed (ignored)")
         for order in meta.captures:
@@ -350,10 +351,10 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         if counts is not None:
             self._pipe.send_message("fingerprints", **counts)
 
-    def _read_block(self, group_id: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One attention block as the captures read it (where it lives: no host copy)."""
-        layers = [self._kv[name] for name in self._layers.get(group_id, [])]
-        return decode_block(layers, block_id, self._block_size, self._backend)
+    def _digest(self, group_id: int, block_id: int) -> str:
+        """One attention block's digest in the engine's layout, where it lives."""
+        return raw_digest([self._kv[name] for name in self._layers.get(group_id, [])],
+                          block_id)
 
     def _capture(self, order: CaptureOrder) -> dict[str, Any]:
         kv = []
@@ -361,8 +362,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         bs = self._block_size
         for g, index, block_id in order.refs:
             entry = self._table.get(g, block_id) if order.role == "hit" else None
-            if entry is not None:
-                writes.append((g, index, entry.epoch, entry.digest, entry.path))
+            if entry is not None:  # the same digest now, next to the bytes shipped
+                served = self._digest(g, block_id) if entry.digest is not None else None
+                writes.append((g, index, entry.epoch, entry.digest, entry.path, served))
             layers = [self._kv[name] for name in self._layers.get(g, [])]
             spec = self._state_specs.get(g)
             k, v = (decode_state_block(layers, block_id, spec) if spec is not None

@@ -17,7 +17,8 @@ protocol's version) and ``kind``:
   (str -> str) carries the request's own key fields (SGLang's tap sends its extra key and
   cache salt), for the key check against what the block was stored under. An optional
   ``writes`` list names what the probe recorded when each captured block was last written
-  (:mod:`.block_writes`): ``[group, index, epoch, digest or None, write path]``;
+  (:mod:`.block_writes`): ``[group, index, epoch, digest at write or None, write path,
+  digest now or None]`` (both over the block in the engine's layout);
 * ``fingerprints``: counts since the last one, ``blocks: [[group, write path, n], ...]``
   fingerprinted at write and ``evictions`` from the probe's bounded table.
 
@@ -161,18 +162,20 @@ class Capture:
 def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequence[int],
                    query_tokens: int, hit_tokens: int, blocks: dict[int, list[int]],
                    kv: Sequence[tuple[int, int, int, torch.Tensor, torch.Tensor]],
-                   writes: Sequence[tuple[int, int, int, str | None, str]] = ()
+                   writes: Sequence[tuple[int, int, int, str | None, str, str | None]] = ()
                    ) -> dict[str, Any]:
     """Fields of a ``capture`` message. ``kv``: ``(group, index, block_id, K, V)`` with K
     and V of shape (layers, kv_heads, block_size, head_dim); ``writes``: ``(group, index,
-    epoch, digest, write path)`` of the captured blocks the probe saw written."""
+    epoch, digest at write, write path, digest now)`` of the captured blocks the probe saw
+    written."""
     out = dict(id=capture_id, role=role, salt=salt,
                tokens=[int(t) for t in tokens], query_tokens=int(query_tokens),
                hit_tokens=int(hit_tokens),
                blocks={int(g): [int(b) for b in ids] for g, ids in blocks.items()},
                kv=[_kv_entry(g, i, b, k, v) for g, i, b, k, v in kv])
     if writes:
-        out["writes"] = [[int(g), int(i), int(e), d, str(p)] for g, i, e, d, p in writes]
+        out["writes"] = [[int(g), int(i), int(e), d, str(p), now]
+                         for g, i, e, d, p, now in writes]
     return out
 
 
@@ -225,17 +228,19 @@ def _writes(raw: Any, kv: Mapping[tuple[int, int], Any]) -> dict[tuple[int, int]
         raise WireError("writes is not a short list")
     out: dict[tuple[int, int], BlockWrite] = {}
     for entry in raw:
-        if not isinstance(entry, list) or len(entry) != 5:
-            raise WireError("a write is not [group, index, epoch, digest, write path]")
+        if not isinstance(entry, list) or len(entry) != 6:
+            raise WireError("a write is not [group, index, epoch, digest, write path, "
+                            "digest now]")
         g, i = _int(entry[0], "group", 0, 1023), _int(entry[1], "block index")
-        epoch, digest, path = _int(entry[2], "epoch"), entry[3], entry[4]
-        if digest is not None and (not isinstance(digest, str) or len(digest) > MAX_DIGEST):
-            raise WireError("a write's digest is not a short string")
+        epoch, digest, path, served = _int(entry[2], "epoch"), entry[3], entry[4], entry[5]
+        for d in (digest, served):
+            if d is not None and (not isinstance(d, str) or len(d) > MAX_DIGEST):
+                raise WireError("a write's digest is not a short string")
         if path not in WRITE_PATHS:
             raise WireError(f"write path is not one of {sorted(WRITE_PATHS)}")
         if (g, i) not in kv:
             raise WireError(f"write for group {g} block #{i}: not a captured block")
-        out[(g, i)] = BlockWrite(path, digest, epoch)
+        out[(g, i)] = BlockWrite(path, digest, epoch, served)
     return out
 
 
