@@ -229,7 +229,11 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
                 lookups.append([len(prompt), hit])
         self._advance_pending_refs(so, meta)
         # The sidecar's own salted recomputes write blocks no request can hit: not tracked.
-        meta.fills = self._writes.step(so, skip=references.__contains__)
+        # Best-effort on its own: a failure here never costs the step's lookups or captures.
+        try:
+            meta.fills = self._writes.step(so, skip=references.__contains__)
+        except Exception:
+            log.exception("kv-sidecar probe: tracking block writes failed (ignored)")
         if lookups:
             self._pipe.send_message("lookups", items=lookups)
 
