@@ -179,11 +179,13 @@ def test_one_layer_noise_in_one_block_is_caught_on_every_hit_serving_it(
         by_reference = mon.verify_sample(without_fingerprints(sample))
         err = max(e for g, e in by_reference.errors if g == full.group_id)
         errors.setdefault(f"{path} {scale:g}", []).append(round(err, 4))
+        flagged = {(f.kind, f.block_index) for f in by_reference.findings}
         if path == "prefill":  # the exact compare alone catches it, nothing else flagged
-            assert {(f.kind, f.block_index) for f in by_reference.findings} == \
-                {(AnomalyKind.RECOMPUTE_MISMATCH, ref.index)}
+            assert flagged == {(AnomalyKind.RECOMPUTE_MISMATCH, ref.index)}
             assert by_reference.tolerance == 0.0
-            caught[conv][1] += 1
+        # (A decode-written block keeps the bf16 minimum: flagged only where the noise
+        # exceeds it; measured, not asserted.)
+        caught[conv][1] += (AnomalyKind.RECOMPUTE_MISMATCH, ref.index) in flagged
     MEASUREMENTS[f"fingerprints {model} bf16: hits caught (fingerprint, exact compare)"] = {
         f"{victims[c][1]} {victims[c][2]:g}": tuple(n) for c, n in caught.items()}
     MEASUREMENTS[f"fingerprints {model} bf16: noise error vs engine reference"] = errors
