@@ -325,3 +325,22 @@ otlp = [
 ]
 dashboard = _append_row(dashboard, "OTLP push", otlp)
 # --- end of the OTLP push block.
+
+# --- vLLM write-time fingerprints (sidecar/adapters/vllm/block_writes.py, issue 23): one row.
+# The probe fingerprints each full block as a forward completes it; a sampled hit's blocks
+# are checked against those digests. A mismatch is also a fingerprint_mismatch anomaly; here
+# the coverage shows: how much is fingerprinted, how often a check found none (missing).
+fingerprints = [
+    (timeseries("vLLM write-time fingerprints", "Blocks the in-engine probe fingerprinted "
+                "per second by write path (prefill, decode), sampled blocks checked against "
+                "their fingerprint by result (match, mismatch: bytes changed after the write, "
+                "missing: not fingerprinted or evicted), and fingerprints evicted from the "
+                "probe's bounded table.", "cps",
+                [(rate(S.PROBE_BLOCKS_FINGERPRINTED, "path"), "fingerprinted ({{path}})"),
+                 (rate(S.PROBE_FINGERPRINT_CHECKS, "result"), "checked: {{result}}"),
+                 (f"sum(rate({sel(S.PROBE_FINGERPRINT_EVICTIONS)}[{RATE}])) > 0",
+                  "evicted")],
+                steps("green", (ANY, "orange"))), 24, 6),
+]
+dashboard = _append_row(dashboard, "vLLM write-time fingerprints", fingerprints)
+# --- end of the fingerprints block.

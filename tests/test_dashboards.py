@@ -96,11 +96,14 @@ def test_sections_cover_the_issue() -> None:
     assert rows == ["Is the cache serving the right KV?", "Anomalies", "Verification coverage",
                     "Allocator health", "Latency", "Fleet", "Hybrid caches",
                     "Scrub and actions",  # the scrub's row (sidecar/scrub.py, actions.py)
-                    "OTLP push"]  # sidecar/export/otlp_failures.py
+                    "OTLP push",  # sidecar/export/otlp_failures.py
+                    "vLLM write-time fingerprints"]  # sidecar/adapters/vllm/block_writes.py
     text = "\n".join(_exprs(d))
     for sig in (S.ANOMALIES, S.VERIFIED, S.SAMPLES_DROPPED, S.LAST_VERIFICATION,
                 S.ALLOCATION_FAILURES, S.ALLOCATIONS, S.FRAGMENTATION_RATIO, S.USAGE_RATIO,
-                S.INVARIANT_VIOLATIONS, S.SAMPLED, S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES):
+                S.INVARIANT_VIOLATIONS, S.SAMPLED, S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES,
+                S.PROBE_BLOCKS_FINGERPRINTED, S.PROBE_FINGERPRINT_CHECKS,
+                S.PROBE_FINGERPRINT_EVICTIONS):
         assert sig.name in text, f"no panel shows {sig.name}"
     assert "sum by (kind)" in text and "sum by (instance, group)" in text
     for q in ("0.5", "0.99"):

@@ -155,7 +155,7 @@ def _verify_all(mon: Monitor, engine: ToyEngine, n: int, start: int = 0) -> list
 def test_error_histogram_and_calibration_gauges_on_metrics() -> None:
     engine = ToyEngine(None)
     mon = _monitor(NoisyAdapter(engine, 1e-5), calibration_samples=30)
-    labels = {"reference": "independent", "dtype": "float32"}
+    labels = {"reference": "independent", "dtype": "float32", "write_path": "all"}
     assert mon.metrics.value(S.RECOMPUTE_TOLERANCE.name, **labels) == 1e-3
     verdicts = _verify_all(mon, engine, 40)
     assert all(len(v.errors) == 3 and not v.findings for v in verdicts)
@@ -182,7 +182,7 @@ def test_calibrated_tolerance_catches_what_the_hard_one_misses_and_drift_shows_i
     adapter.noise = 6e-6
     quiet = _verify_all(mon, engine, 30, start=100)
     assert not any(v.findings for v in quiet)
-    labels = {"reference": "independent", "dtype": "float32"}
+    labels = {"reference": "independent", "dtype": "float32", "write_path": "all"}
     drift = mon.metrics.value(S.RECOMPUTE_ERROR_DRIFT.name, **labels)
     assert drift > S.THRESHOLDS.recompute_error_drift  # ...but the distribution moved
     # 40x the floor's noise in one block: under the hard 1e-3, over the calibrated one.

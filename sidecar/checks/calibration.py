@@ -4,7 +4,9 @@ One fixed tolerance per dtype has to cover the noisiest reference there is: an i
 implementation (HF prefilling what vLLM cached: ~3e-2 in bf16) and the engine recomputing
 with its own kernels (exactly 0) get the same 0.25, and a silent fp8 round trip of bf16 KV
 (~0.2) passes both. So the tolerance is learned per deployment, per reference kind
-(``"independent"`` or ``"engine"``, declared by the adapter as ``reference_kind``) and dtype:
+(``"independent"`` or ``"engine"``, declared by the adapter as ``reference_kind``), dtype
+and write path (``prefill``/``decode`` where the engine's probe says which wrote a block,
+:class:`sidecar.core.protocol.WritePath`; ``all`` otherwise):
 
 * **calibrating**: the first ``samples`` blocks that passed every check, compared under the
   hard tolerance (:func:`sidecar.checks.tolerance.tolerance_for`, or the deployment's override as
@@ -13,6 +15,11 @@ with its own kernels (exactly 0) get the same 0.25, and a silent fp8 round trip 
   The ceiling caps it, so calibrating on a broken engine can never make the check looser
   than the fixed table; the minimum (a few ulps) keeps an exact-0 floor from flagging a
   lone re-rounding;
+* **exact**: where the engine is exact (:data:`EXACT_PATHS`: the engine recomputing with its
+  own kernels a block a prefill wrote) and the floor over the whole calibration window is
+  exactly 0, the tolerance is 0: a bit-exact compare, so a change of one element by 1e-3 of
+  the block's spread, far under the few-ulps minimum, is caught. Where the floor is not 0
+  (a backend whose kernels are not batch-invariant, GPUs), the usual clamp applies;
 * **drift**: afterwards, the ``quantile`` of the last ``window`` errors divided by the
   floor (the floor never taken below ``minimum / multiple``, so drift reaches ``multiple``
   exactly when the quantile reaches the tolerance). A distribution moving away from its
@@ -49,10 +56,15 @@ from sidecar.checks.tolerance import (
     override_problems,
     tolerance_for,
 )
+from sidecar.core.protocol import WritePath
 
 log = logging.getLogger(__name__)
 
 MIN_DRIFT_ERRORS = 16  # errors a drift quantile needs before it is reported
+# (reference kind, write path) pairs whose clean floor may be exactly 0: the engine's own
+# salted prefill against a block a prefill wrote (same kernels, same batch shape on CPU).
+# A decode-written block is recomputed by a prefill: different kernels, never exact.
+EXACT_PATHS = frozenset({("engine", WritePath.PREFILL.value)})
 DEFAULT_SAMPLES = DEFAULT_CALIBRATION_SAMPLES  # SidecarConfig.calibration_samples's default
 
 
@@ -108,15 +120,17 @@ class FloorState:
     profile_tolerance: float | None = None  # the loaded profile's, clamped; None: no profile
     clean_blocks: int = 0  # every block that passed, since start (what a profile is made of)
     clean_max: float = 0.0  # the largest error among them
+    write_path: str = WritePath.ALL.value
 
 
 class NoiseFloor:
     """The calibration of one reference kind and dtype (see the module docstring)."""
 
     def __init__(self, reference: str, dtype: str, ceiling: float, minimum: float,
-                 cfg: CalibrationConfig, fixed: bool, profile: ProfileEntry | None = None
-                 ) -> None:
-        self.reference, self.dtype = reference, dtype
+                 cfg: CalibrationConfig, fixed: bool, profile: ProfileEntry | None = None,
+                 write_path: str = WritePath.ALL.value) -> None:
+        self.reference, self.dtype, self.write_path = reference, dtype, write_path
+        self.exact = (reference, write_path) in EXACT_PATHS
         self.ceiling, self.minimum, self.cfg = ceiling, min(minimum, ceiling), cfg
         self.fixed = fixed
         self.tolerance = ceiling
@@ -159,7 +173,8 @@ class NoiseFloor:
 
     def _settle(self) -> None:
         self.floor = max(self._seen)
-        learnt = min(self.ceiling, max(self.minimum, self.cfg.multiple * self.floor))
+        learnt = 0.0 if self.exact and self.floor == 0.0 \
+            else min(self.ceiling, max(self.minimum, self.cfg.multiple * self.floor))
         # Downward-safe: a floor learnt now (perhaps beside a broken engine) may tighten
         # the profile's tolerance, never loosen it.
         self.tolerance = learnt if self.profile_tolerance is None \
@@ -182,7 +197,7 @@ class NoiseFloor:
             else "profile"
         return FloorState(self.reference, self.dtype, self.tolerance, self.ceiling, mode,
                           len(self._seen), self.floor, self.drift(), self.profile_tolerance,
-                          self.clean_blocks, self.clean_max)
+                          self.clean_blocks, self.clean_max, self.write_path)
 
 
 class Calibration:
@@ -196,39 +211,43 @@ class Calibration:
         self.dtype = dtype.removeprefix("torch.")
         self.kv_storage = kv_storage
         self.model = model  # EngineInfo.model: what a profile entry is looked up by
-        self._floors: dict[str, NoiseFloor] = {}
+        self._floors: dict[tuple[str, str], NoiseFloor] = {}
         self._lock = threading.Lock()
 
-    def _floor(self, reference: str) -> NoiseFloor:
-        nf = self._floors.get(reference)
+    def _floor(self, reference: str, write_path: str = WritePath.ALL.value) -> NoiseFloor:
+        nf = self._floors.get((reference, write_path))
         if nf is None:
             override = override_for(self.cfg.overrides, reference, self.dtype)
             ceiling = override if override is not None \
                 else tolerance_for(self.dtype, self.kv_storage)
             entry = None if self.cfg.profile is None else self.cfg.profile.find(
-                self.model, self.dtype, self.kv_storage, reference)
+                self.model, self.dtype, self.kv_storage, reference, write_path)
             nf = NoiseFloor(reference, self.dtype, ceiling, min_tolerance(self.dtype),
-                            self.cfg, fixed=override is not None, profile=entry)
-            self._floors[reference] = nf
+                            self.cfg, fixed=override is not None, profile=entry,
+                            write_path=write_path)
+            self._floors[(reference, write_path)] = nf
             if nf.learning and entry is None:
                 where = "" if self.cfg.profile is None \
                     else f" ({self.cfg.profile.source} has no entry for it)"
                 log.warning(
-                    "kv-sidecar: no calibration profile for model %r, %s, %s reference%s: "
+                    "kv-sidecar: no calibration profile for model %r, %s, %s reference, "
+                    "%s write path%s: "
                     "the recompute tolerance is learnt from the first %d clean blocks of "
                     "this engine, whatever state it is in. Run `kv-sidecar calibrate` on a "
                     "trusted engine and set calibration_profile.", self.model, self.dtype,
-                    reference, where, self.cfg.samples)
+                    reference, write_path, where, self.cfg.samples)
         return nf
 
-    def tolerance(self, reference: str) -> float:
-        """The tolerance a comparison against ``reference`` uses now."""
+    def tolerance(self, reference: str, write_path: str = WritePath.ALL.value) -> float:
+        """The tolerance a comparison against ``reference`` of a block ``write_path``
+        wrote uses now."""
         with self._lock:
-            return self._floor(reference).tolerance
+            return self._floor(reference, write_path).tolerance
 
-    def observe(self, reference: str, error: float, passed: bool) -> None:
+    def observe(self, reference: str, error: float, passed: bool,
+                write_path: str = WritePath.ALL.value) -> None:
         with self._lock:
-            self._floor(reference).observe(error, passed)
+            self._floor(reference, write_path).observe(error, passed)
 
     def states(self) -> list[FloorState]:
         with self._lock:
@@ -241,7 +260,8 @@ class Calibration:
             with self._lock:
                 self._floor(reference)
         for st in self.states():
-            labels = {"reference": st.reference, "dtype": st.dtype}
+            labels = {"reference": st.reference, "dtype": st.dtype,
+                      "write_path": st.write_path}
             metrics.gauge(S.RECOMPUTE_TOLERANCE, **labels).set(st.tolerance)
             if st.floor is not None:
                 metrics.gauge(S.RECOMPUTE_NOISE_FLOOR, **labels).set(st.floor)

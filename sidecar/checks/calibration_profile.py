@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.checks.tolerance import REFERENCE_KINDS, STORAGE_TOLERANCES, TOLERANCES
+from sidecar.core.protocol import WritePath
 
 PROFILE_FORMAT = "kv-sidecar-calibration/1"
 MAX_PROFILE_BYTES = 1 << 20  # a profile of a few hundred entries is ~100 KiB
 MAX_ENTRIES = 4096
 MAX_NAME = 256  # characters of an engine or model name
-WRITE_PATHS = ("all", "prefill", "decode")
+WRITE_PATHS = tuple(p.value for p in WritePath)  # the one list: core.protocol
 
 
 class ProfileError(ValueError):

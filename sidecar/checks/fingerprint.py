@@ -92,13 +92,36 @@ def kv_digest(key: torch.Tensor, value: torch.Tensor, algorithm: str | None = No
     return f"{algo}:{fn(tensor_bytes(key), tensor_bytes(value))}"
 
 
+def checkable(digest: str) -> bool:
+    """Whether this sidecar can recompute a digest of ``digest``'s algorithm."""
+    algo = digest.rpartition(":")[0]
+    return algo in ALGORITHMS or algo in DEVICE_ALGORITHMS
+
+
+def fingerprint_check(block: BlockKV, stored: str | None, served: str | None = None
+                      ) -> tuple[list[Finding], bool | None]:
+    """``(findings, matched)`` of a write-time digest against the bytes served: ``served``
+    where the engine side took it over the same bytes (an in-engine probe digests the block
+    in the engine's layout, at write and at capture), else ``block`` digested here.
+    ``matched`` is None when there is no verdict (no digest, or one of an unknown kind)."""
+    if served is None:
+        found = check_fingerprint(block, stored)
+        return found, None if stored is None or not checkable(stored) else not found
+    if stored is None:
+        return [], None
+    if served == stored:
+        return [], True
+    ref = block.ref
+    return [Finding(AnomalyKind.FINGERPRINT_MISMATCH, ref.group_id, ref.index,
+                    f"KV digest {served[:20]} when served != digest at write {stored[:20]}")
+            ], False
+
+
 def check_fingerprint(block: BlockKV, stored_digest: str | None) -> list[Finding]:
-    if stored_digest is None:
+    # no digest, or one this sidecar cannot recompute: no verdict
+    if stored_digest is None or not checkable(stored_digest):
         return []
-    algo, _, _ = stored_digest.rpartition(":")
-    # a digest this sidecar cannot recompute: no verdict
-    if algo not in ALGORITHMS and algo not in DEVICE_ALGORITHMS:
-        return []
+    algo = stored_digest.rpartition(":")[0]
     now = kv_digest(block.key, block.value, algo)
     if now != stored_digest:
         ref = block.ref

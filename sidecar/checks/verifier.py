@@ -36,7 +36,7 @@ from sidecar.checks.base import Finding
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.content import check_content
 from sidecar.checks.coverage import check_coverage, tier_state_at
-from sidecar.checks.fingerprint import check_fingerprint
+from sidecar.checks.fingerprint import fingerprint_check
 from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
 from sidecar.checks.keys import (
     StoreRecord,
@@ -50,7 +50,16 @@ from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
 from sidecar.core.admission import Gate
 from sidecar.core.attach import Capabilities, resolve
-from sidecar.core.protocol import Adapter, BlockKV, BlockRef, EngineInfo, GroupKind, Hit
+from sidecar.core.protocol import (
+    Adapter,
+    BlockKV,
+    BlockRef,
+    BlockWrite,
+    EngineInfo,
+    GroupKind,
+    Hit,
+    WritePath,
+)
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.signals import AnomalyKind, DropReason
 
@@ -69,6 +78,7 @@ class Sample:
     captured_at: float
     epochs: Mapping[BlockRef, int] = field(default_factory=dict)
     captured: Mapping[BlockRef, BlockKV] | None = None
+    writes: Mapping[BlockRef, BlockWrite] = field(default_factory=dict)  # a probe's, at write
 
 
 @dataclass
@@ -87,6 +97,7 @@ class Verdict:
     # served and, where the recompute ran, the reference (None: condemned before it).
     kv: dict[BlockRef, tuple[BlockKV, BlockKV | None]] = field(default_factory=dict)
     tolerance: float | None = None  # the recompute tolerance the comparison used
+    fingerprints: dict[BlockRef, bool] = field(default_factory=dict)  # digest at write matched
 
     @property
     def anomalous(self) -> bool:
@@ -225,8 +236,7 @@ class Verifier:
                 found = check_partial_zero(block)  # before "zeros" claims a half-copied block
             found = found or check_content(block)
             if not found:
-                record = sample.records.get(ref)
-                found = check_fingerprint(block, record.kv_digest if record else None)
+                found = self._fingerprint(sample, block, verdict)
             if found:
                 condemned.add(ref)
                 verdict.findings.extend(found)
@@ -251,6 +261,16 @@ class Verifier:
             verdict.verified.extend(b.ref for b in passed)
             return
         self._compare(hit, passed, verdict)
+
+    def _fingerprint(self, sample: Sample, block: BlockKV, verdict: Verdict) -> list[Finding]:
+        """The write-time digest (the store record's, else the probe's) vs the bytes served."""
+        record, write = sample.records.get(block.ref), sample.writes.get(block.ref)
+        stored = record.kv_digest if record else None
+        found, matched = fingerprint_check(block, stored) if stored or write is None \
+            else fingerprint_check(block, write.kv_digest, write.served_digest)
+        if matched is not None:
+            verdict.fingerprints[block.ref] = matched
+        return found
 
     def _null(self, ref: BlockRef) -> bool:
         group = self._groups.get(ref.group_id)
@@ -281,6 +301,7 @@ class Verifier:
             verdict.adapter_errors.append(("recompute", "unexpected_block"))
         kind = self.reference_kind
         cal = self.calibration
+        writes = verdict.sample.writes
         failed: list[tuple[BlockKV, float]] = []
         for block in blocks:
             ref_kv = by_ref.get(block.ref)
@@ -301,10 +322,13 @@ class Verifier:
             verdict.max_error = err if verdict.max_error is None else max(verdict.max_error, err)
             verdict.errors.append((block.ref.group_id, err))
             verdict.verified.append(block.ref)
-            tol = cal.tolerance(kind)
-            verdict.tolerance = tol
+            # Per write path: a prefill recompute of a decode-written block rounds apart.
+            path = writes[block.ref].write_path if block.ref in writes else WritePath.ALL
+            tol = cal.tolerance(kind, path)
             passed = err <= tol
-            cal.observe(kind, err, passed)
+            if not passed or not failed:  # the tolerance a failure was judged by
+                verdict.tolerance = tol
+            cal.observe(kind, err, passed, path)
             if not passed:
                 verdict.kv[block.ref] = (block, ref_kv)  # for the evidence record
                 failed.append((block, err))
@@ -315,7 +339,7 @@ class Verifier:
                  references: dict[BlockRef, BlockKV], verdict: Verdict) -> None:
         """Name each failed block's fault family (:func:`sidecar.checks.hybrid.explain`);
         the neighbour recomputes it may need take a recompute slot like any other."""
-        tol, kind = self.tolerance, self.reference_kind
+        tol, kind = verdict.tolerance or 0.0, self.reference_kind  # set with the failure
         dtype = self.info.dtype
 
         def recompute(refs: Sequence[BlockRef]) -> Sequence[BlockKV] | None:

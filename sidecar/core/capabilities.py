@@ -21,7 +21,7 @@ with a message naming it, and runs without it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +29,7 @@ from sidecar.core.protocol import (
     BlockKV,
     BlockRef,
     BlockTableSnapshot,
+    BlockWrite,
     Hit,
     Lookup,
     SequenceId,
@@ -163,7 +164,8 @@ class TierSink(Protocol):
 class CapturedSink(Protocol):
     """A hit sampled and captured elsewhere (an out-of-process probe), with its blocks."""
 
-    def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV]) -> object: ...
+    def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV],
+                    writes: Mapping[BlockRef, BlockWrite] | None = None) -> object: ...
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -43,6 +43,7 @@ from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
+    BlockWrite,
     EngineInfo,
     Hit,
     Lookup,
@@ -150,11 +151,12 @@ class Monitor(JournaledHooks):
         except Exception as exc:
             self._hook_failed("on_lookup", exc)
 
-    def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV]) -> Verdict | None:
+    def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV],
+                    writes: Mapping[BlockRef, BlockWrite] | None = None) -> Verdict | None:
         """A hit sampled and captured elsewhere (an out-of-process probe copied ``blocks``
-        out of the engine at match time): counted like ``on_lookup``, then verified through
-        the same dispatch, with the blocks as the capture. Returns the verdict in inline
-        dispatch mode. Never raises."""
+        out of the engine at match time, ``writes``: what it recorded at their writes):
+        counted like ``on_lookup``, then verified through the same dispatch, with the
+        blocks as the capture. Returns the verdict in inline dispatch mode. Never raises."""
         try:
             hit = lookup.hit if type(lookup) is Lookup else None
             if self._reject("on_captured", HI.check_lookup(lookup) or (
@@ -174,7 +176,7 @@ class Monitor(JournaledHooks):
                 return None
             self._log_hit(hit, lookup.seq_id, lookup.hit_tokens)
             self.metrics.inc(S.SAMPLED)
-            return self.dispatcher.submit(self._take(hit, refs, captured))
+            return self.dispatcher.submit(self._take(hit, refs, captured, writes))
         except Exception as exc:
             self._hook_failed("on_captured", exc)
             return None
@@ -218,11 +220,12 @@ class Monitor(JournaledHooks):
         return self._take(hit, refs, self._capture_now(hit, refs))
 
     def _take(self, hit: Hit, refs: tuple[BlockRef, ...],
-              captured: dict[BlockRef, BlockKV] | None) -> Sample:
+              captured: dict[BlockRef, BlockKV] | None,
+              writes: Mapping[BlockRef, BlockWrite] | None = None) -> Sample:
         """A sample as of this match: every store/free so far applied, then the refs'
         store records and epochs snapshotted next to the capture."""
         records, epochs = self.cache.snapshot(refs)
-        return Sample(hit, refs, records, time.time(), epochs, captured)
+        return Sample(hit, refs, records, time.time(), epochs, captured, writes or {})
 
     def _capture_now(self, hit: Hit, refs: tuple[BlockRef, ...]
                      ) -> dict[BlockRef, BlockKV] | None:

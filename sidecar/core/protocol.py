@@ -220,6 +220,30 @@ class BlockRef:
         return self.index * block_size, (self.index + 1) * block_size
 
 
+class WritePath(enum.StrEnum):
+    """Which engine path wrote a block's KV: the tolerance is calibrated per path, since a
+    prefill recompute of a block a decode step wrote differs by the two kernels' rounding."""
+
+    ALL = "all"  # the engine does not say
+    PREFILL = "prefill"  # every position computed by a prefill (prompt tokens only)
+    DECODE = "decode"  # holds generated tokens: completed by a decode step
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """What the engine side recorded when a block was last written (an in-engine probe's
+    write-time fingerprint): the path, the digest of its KV bytes where one was taken
+    (:mod:`sidecar.checks.fingerprint`), and the write's sequence number. ``served_digest``:
+    the same digest of the bytes the hit was served, taken where they live when the probe
+    has one (over the engine's own layout, like the first); without it the sidecar recomputes
+    ``kv_digest`` from the captured block."""
+
+    write_path: str = WritePath.ALL.value
+    kv_digest: str | None = None
+    epoch: int = 0
+    served_digest: str | None = None
+
+
 @dataclass
 class BlockKV:
     """K and V of one block for the layers of its group.

@@ -97,18 +97,19 @@ RECOMPUTE_ERROR = _s("recompute_error", H,
                      "rms(ref)), by cache group and dtype.", ("group", "dtype"),
                      unit="ratio", buckets=ERROR_BUCKETS)
 RECOMPUTE_TOLERANCE = _s("recompute_tolerance", G,
-                         "Recompute tolerance in use, by reference kind and dtype: the hard "
-                         "one, the deployment's override, or the calibrated one.",
-                         ("reference", "dtype"), unit="ratio")
+                         "Recompute tolerance in use, by reference kind, dtype and write path "
+                         "(prefill, decode where the engine says; all otherwise): the hard "
+                         "one, the deployment's override, or the calibrated one (0: exact).",
+                         ("reference", "dtype", "write_path"), unit="ratio")
 RECOMPUTE_NOISE_FLOOR = _s("recompute_noise_floor", G,
                            "Calibrated noise floor (largest error of the first clean blocks), "
-                           "by reference kind and dtype; absent until calibrated.",
-                           ("reference", "dtype"), unit="ratio")
+                           "by reference kind, dtype and write path; absent until calibrated.",
+                           ("reference", "dtype", "write_path"), unit="ratio")
 RECOMPUTE_ERROR_DRIFT = _s("recompute_error_drift", G,
                            "Recent recompute-error quantile / calibrated noise floor, by "
-                           "reference kind and dtype (reaches the calibration multiple at the "
-                           "tolerance); absent until calibrated.", ("reference", "dtype"),
-                           unit="ratio")
+                           "reference kind, dtype and write path (reaches the calibration "
+                           "multiple at the tolerance); absent until calibrated.",
+                           ("reference", "dtype", "write_path"), unit="ratio")
 TOLERANCE_SIGNALS: tuple[Signal, ...] = (
     RECOMPUTE_ERROR, RECOMPUTE_TOLERANCE, RECOMPUTE_NOISE_FLOOR, RECOMPUTE_ERROR_DRIFT,
 )

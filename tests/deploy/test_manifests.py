@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import shlex
 import shutil
 import subprocess
@@ -120,6 +121,9 @@ def test_vllm_pod_wiring_matches_engine_args_and_the_sidecar() -> None:
                                        "--sample-every", "100"])
     printed = _capture(lambda: vllm_cli._engine_args(ns))
     assert engine["args"][-4:] == shlex.split(printed)
+    # Every full block is fingerprinted as the engine writes it (the probe's default).
+    probe_extra = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    assert probe_extra["kv_connector_extra_config"]["fingerprint_every"] == 1
     # The sockets live on one volume both containers mount; the probe on PYTHONPATH.
     mounts = {c: {m["name"]: m["mountPath"] for m in _container(spec, c)["volumeMounts"]}
               for c in ("kv-sidecar", "engine", "install-probe")}

@@ -45,9 +45,11 @@ class Engine:
 
 
 def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
-                 llm_extra: dict[str, Any] | None = None, **sidecar: Any) -> Engine:
+                 llm_extra: dict[str, Any] | None = None, blocks_per_sample: int = 2,
+                 **sidecar: Any) -> Engine:
     """``sidecar``: extra SidecarConfig fields (the tolerance tests calibrate);
-    ``llm_extra``: extra ``vllm.LLM`` keyword arguments."""
+    ``llm_extra``: extra ``vllm.LLM`` keyword arguments; ``blocks_per_sample``: the
+    probe's (the last block of each group plus earlier ones in rotation)."""
     from vllm import LLM
 
     from sidecar.adapters.vllm.engine_config import llm_kwargs, llm_submit
@@ -67,7 +69,8 @@ def start_engine(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
                      metrics_source=registry_source()).start()
     llm = LLM(model=model, dtype=dtype, block_size=BLOCK, enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=1024, seed=0,
-              **llm_kwargs(probe, events, replay, sample_every=sample_every),
+              **llm_kwargs(probe, events, replay, sample_every=sample_every,
+                           blocks_per_sample=blocks_per_sample),
               **(llm_extra or {}))
     holder["submit"] = llm_submit(llm)
     engine_ref = sc.adapter.reference
@@ -85,6 +88,17 @@ def stop_engine(eng: Engine) -> None:
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
     ensure_kv_transfer_shutdown()
+
+
+def without_fingerprints(sample: Any) -> Any:
+    """``sample`` with the probe's write-time digests taken out (write paths kept): what the
+    recompute alone makes of it (the fingerprint stage would condemn a changed block first)."""
+    import dataclasses
+
+    from sidecar.core.protocol import BlockWrite
+
+    return dataclasses.replace(sample, writes={
+        r: BlockWrite(w.write_path, None, w.epoch) for r, w in sample.writes.items()})
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 2) -> list[Any]:
@@ -114,6 +128,22 @@ def copy_block(worker: Any, src: int, dst: int) -> int:
     for t in worker.model_runner.kv_caches:
         t[dst].copy_(t[src])
     return len(worker.model_runner.kv_caches)
+
+
+def add_layer_noise(worker: Any, block_id: int, layer: int, scale: float, seed: int = 0
+                    ) -> float:
+    """Add ``scale * std * N(0, 1)`` to every K/V element of one layer of ``block_id``
+    (``std``: of that layer's block; computed in float32, stored back in the cache's dtype):
+    the silent corruption a tolerance cannot see. Returns the share of elements changed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    t = worker.model_runner.kv_caches[layer]
+    before = t[block_id].clone()
+    x = before.float()
+    x += scale * x.std() * torch.randn(x.shape, generator=g)
+    t[block_id].copy_(x.to(t.dtype))
+    return float((t[block_id] != before).float().mean())
 
 
 def add_noise(worker: Any, block_id: int, relative: float, seed: int = 0) -> int:

@@ -25,6 +25,7 @@ from tests.vllm.harness import (
     start_engine,
     stop_engine,
     vllm_counter,
+    without_fingerprints,
     zero_block,
 )
 
@@ -104,6 +105,8 @@ def _hit_for(hits: list[Any], prefix: list[int]) -> Any:
 
 
 def _verify_new_hit(eng: Engine, prompt: list[int]) -> dict[str, Any]:
+    """The new hit verified against each reference and, by its write-time fingerprint
+    (``"fingerprint"``), with the engine reference."""
     generate(eng.llm, [prompt])
     assert eng.sidecar.wait_for_samples(1)
     pending = eng.sidecar.take_pending()
@@ -112,7 +115,8 @@ def _verify_new_hit(eng: Engine, prompt: list[int]) -> dict[str, Any]:
     out = {}
     for ref in (eng.hf, eng.engine_ref):
         eng.sidecar.adapter.reference = ref
-        out[ref.name] = eng.sidecar.monitor.verify_sample(hit)
+        out[ref.name] = eng.sidecar.monitor.verify_sample(without_fingerprints(hit))
+    out["fingerprint"] = eng.sidecar.monitor.verify_sample(hit)
     return out
 
 
@@ -128,13 +132,17 @@ def test_corrupted_blocks_are_flagged_by_both_references(run: dict[str, Any]) ->
     for name, v in _verify_new_hit(eng, p1 + wl.tokens(9)).items():
         assert {(f.kind, f.block_index) for f in v.findings} == {(AnomalyKind.ZEROS, last1)}, \
             name
-    # 2) overwritten with another block's KV: plausible values, only a recompute sees it.
+    # 2) overwritten with another block's KV: plausible values, only a recompute (or the
+    # write-time fingerprint) sees it.
     p3 = wl.prefixes[3]
     last3 = len(p3) // BLOCK - 1
     victim = int(_hit_for(hits, p3).hit.blocks[0][last3])
     donor = int(_hit_for(hits, wl.prefixes[0]).hit.blocks[0][0])
     eng.llm.collective_rpc(copy_block, args=(donor, victim))
-    for name, v in _verify_new_hit(eng, p3 + wl.tokens(9)).items():
+    verdicts = _verify_new_hit(eng, p3 + wl.tokens(9))
+    assert {(f.kind, f.block_index) for f in verdicts.pop("fingerprint").findings} == \
+        {(AnomalyKind.FINGERPRINT_MISMATCH, last3)}
+    for name, v in verdicts.items():
         kinds = {(f.kind, f.block_index) for f in v.findings}
         assert kinds == {(AnomalyKind.RECOMPUTE_MISMATCH, last3)}, name
         assert v.max_error is not None and v.max_error > 0.5, name

@@ -27,6 +27,7 @@ from sidecar.core.protocol import (
     AllocatorState,
     BlockKV,
     BlockRef,
+    BlockWrite,
     EngineInfo,
     Hit,
     Lookup,
@@ -49,6 +50,12 @@ def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks
 
 
+def captured_writes(cap: Capture) -> dict[BlockRef, BlockWrite]:
+    """What the probe recorded when each captured block was written (write path, digest),
+    by the same refs as :func:`captured_hit`'s blocks."""
+    return {BlockRef(g, i, int(cap.blocks[g][i])): w for (g, i), w in cap.writes.items()}
+
+
 # A config.json is a few KB (a vision model's tens); past this it is not one.
 MAX_CHECKPOINT_CONFIG_BYTES = 4 << 20
 
@@ -56,6 +63,7 @@ MAX_CHECKPOINT_CONFIG_BYTES = 4 << 20
 class CheckpointError(ValueError):
     """The checkpoint directory cannot describe the engine; ``str()`` is one line naming
     it and what is wrong (the CLIs print it and exit 2)."""
+
 
 
 def engine_info_from_checkpoint(model_dir: str, dtype: str, block_size: int,

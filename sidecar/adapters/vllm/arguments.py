@@ -22,6 +22,16 @@ def _interval(text: str) -> float:
     return value
 
 
+def _fingerprint_every(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
+
+
 def parser(description: str | None = None) -> argparse.ArgumentParser:
     """The flags of ``engine-args`` and ``serve`` (what the config schema's ``[vllm]``
     section derives from); :func:`sidecar.adapters.vllm.cli.parser` adds what runs them."""
@@ -40,6 +50,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
             s.add_argument("--sample-every", type=int, default=100,
                            help="the probe samples 1 prefix hit in N")
             s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--fingerprint-every", type=_fingerprint_every, default=1,
+                           help="the probe fingerprints 1 full block in N as the engine "
+                                "writes it (default: 1, every block; 0: off)")
             continue
         s.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
         s.add_argument("--served-model-name", help="defaults to --model, like vLLM")

@@ -43,7 +43,7 @@ def _engine_args(a: argparse.Namespace) -> int:
                                  if k in ("burst_hits", "burst_every")})
         flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
             a.probe, a.sample_every, a.blocks_per_sample, a.seed, burst.burst_hits,
-            burst.burst_every))]
+            burst.burst_every, a.fingerprint_every))]
     if a.events:
         flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
     if not flags:  # an empty line would pass for "no flags needed"

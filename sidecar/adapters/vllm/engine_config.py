@@ -19,13 +19,16 @@ PROBE_MODULE = "sidecar.adapters.vllm.probe"
 
 def probe_transfer_config(endpoint: str, sample_every: int = 100, blocks_per_sample: int = 2,
                           seed: int = 0, burst_hits: int = 0,
-                          burst_every: int = 1) -> dict[str, Any]:
+                          burst_every: int = 1, fingerprint_every: int = 1) -> dict[str, Any]:
+    """``fingerprint_every``: 1 in N full blocks fingerprinted as the engine writes them
+    (sidecar/adapters/vllm/block_writes.py; 0: off)."""
     return {"kv_connector": PROBE_CLASS, "kv_connector_module_path": PROBE_MODULE,
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"endpoint": endpoint, "sample_every": sample_every,
                                           "blocks_per_sample": blocks_per_sample,
                                           "seed": seed, "burst_hits": burst_hits,
-                                          "burst_every": burst_every}}
+                                          "burst_every": burst_every,
+                                          "fingerprint_every": fingerprint_every}}
 
 
 def events_config(endpoint: str, replay_endpoint: str | None = None) -> dict[str, Any]:
@@ -40,14 +43,16 @@ def events_config(endpoint: str, replay_endpoint: str | None = None) -> dict[str
 
 def llm_kwargs(probe_endpoint: str | None, events_endpoint: str | None,
                replay_endpoint: str | None = None, sample_every: int = 100,
-               blocks_per_sample: int = 2, seed: int = 0) -> dict[str, Any]:
+               blocks_per_sample: int = 2, seed: int = 0,
+               fingerprint_every: int = 1) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (stats logging on: the metrics bridge reads it)."""
     from vllm.config import KVEventsConfig, KVTransferConfig
 
     out: dict[str, Any] = {"disable_log_stats": False, "enable_prefix_caching": True}
     if probe_endpoint:
         out["kv_transfer_config"] = KVTransferConfig(**probe_transfer_config(
-            probe_endpoint, sample_every, blocks_per_sample, seed))
+            probe_endpoint, sample_every, blocks_per_sample, seed,
+            fingerprint_every=fingerprint_every))
     if events_endpoint:
         out["kv_events_config"] = KVEventsConfig(**events_config(events_endpoint,
                                                                  replay_endpoint))

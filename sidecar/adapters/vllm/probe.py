@@ -20,7 +20,11 @@ What it does, all best-effort (an error is logged and counted, never raised into
   recompute: not a lookup, its named blocks are captured once its prefill has run;
 * worker half: after the step's forward, copies the chosen blocks out of the paged KV
   tensors, converts vLLM's CPU layout to (layers, kv_heads, block_size, head_dim) and pushes
-  them to the sidecar.
+  them to the sidecar;
+* both halves: write-time fingerprints (:mod:`.block_writes`): the full blocks each forward
+  completes (1 in ``fingerprint_every``, default every one) are digested after it, and a
+  capture carries each captured block's digest and write path (prefill or decode), for the
+  sidecar to compare with the bytes the hit was served.
 
 Hybrid models (Gemma2: sliding window + full; LFM2: conv state + full) have one KV-cache
 group per layer kind, each with its own block table. The probe chooses blocks group by
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from sidecar.adapters.vllm.block_writes import (
+    DEFAULT_CAPACITY,
+    BlockFill,
+    WriteTable,
+    WriteTracker,
+    raw_digest,
+)
 from sidecar.adapters.vllm.groups import groups_from_specs
 from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
@@ -76,6 +88,7 @@ log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _MAX_TRACKED = 10_000  # requests looked up but not yet scheduled/finished (bounded memory)
+_COUNTS_EVERY_S = 1.0  # fingerprint counts go out at least this often (and with captures)
 
 
 @dataclass
@@ -95,6 +108,7 @@ class CaptureOrder:
 @dataclass
 class ProbeMetadata(KVConnectorMetadata):
     captures: list[CaptureOrder] = field(default_factory=list)
+    fills: list[BlockFill] = field(default_factory=list)  # full blocks this step completes
 
 
 @dataclass
@@ -107,7 +121,9 @@ class _Seen:
 class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. Configure through ``kv_connector_extra_config``:
     ``endpoint`` (required: the sidecar's PULL socket), ``sample_every`` (100),
-    ``blocks_per_sample`` (2), ``seed`` (0), ``pipe_hwm`` (64 messages)."""
+    ``blocks_per_sample`` (2), ``seed`` (0), ``pipe_hwm`` (64 messages),
+    ``fingerprint_every`` (1: every full block fingerprinted at write; 0: none),
+    ``fingerprint_capacity`` (blocks remembered, oldest first out)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -135,6 +151,14 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             gid: state_spec(spec.kv_cache_spec)
             for gid, spec in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or [])
             if self._groups[gid].kind is GroupKind.RECURRENT_STATE}
+        # Write-time fingerprints of the attention groups (block_writes.py).
+        attention = [g.group_id for g in self._groups
+                     if g.kind is not GroupKind.RECURRENT_STATE] if self._groups else [0]
+        self._writes = WriteTracker(
+            self._block_size, int(extra.get("fingerprint_every", 1)), attention,
+            {g.group_id: frozenset(g.null_block_ids) for g in self._groups})
+        self._table = WriteTable(int(extra.get("fingerprint_capacity", DEFAULT_CAPACITY)))
+        self._counts_at = time.monotonic()
         self._seen: dict[str, _Seen] = {}
         self._pending_refs: dict[str, tuple[CaptureOrder, int]] = {}  # req -> (order, need)
         self._kv: dict[str, torch.Tensor] = {}
@@ -173,6 +197,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     def _collect(self, so: SchedulerOutput, meta: ProbeMetadata) -> None:
         lookups: list[list[int]] = []
         bs = self._block_size
+        references: set[str] = set()
         for req in so.scheduled_new_reqs:
             seen = self._seen.pop(req.req_id, None)
             prompt = list(req.prompt_token_ids or (seen.prompt if seen else []))
@@ -180,6 +205,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             blocks = {g: list(ids) for g, ids in enumerate(req.block_ids)}
             wanted = parse_reference_salt(seen.salt if seen else None)
             if wanted is not None:
+                references.add(req.req_id)
                 order = self._reference_order(req.req_id, seen, prompt, blocks, wanted)
                 need = (max(wanted) + 1) * bs
                 done = hit + so.num_scheduled_tokens.get(req.req_id, 0)
@@ -202,6 +228,12 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             else:
                 lookups.append([len(prompt), hit])
         self._advance_pending_refs(so, meta)
+        # The sidecar's own salted recomputes write blocks no request can hit: not tracked.
+        # Best-effort on its own: a failure here never costs the step's lookups or captures.
+        try:
+            meta.fills = self._writes.step(so, skip=references.__contains__)
+        except Exception:
+            log.exception("kv-sidecar probe: tracking block writes failed (ignored)")
         if lookups:
             self._pipe.send_message("lookups", items=lookups)
 
@@ -256,6 +288,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
+        self._writes.forget(req_id)
         self._pending_refs.pop(req_id, None)
 
     # ------------------------------------------------------------------ worker half
@@ -301,26 +334,51 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if not isinstance(meta, ProbeMetadata):
             return
+        if meta.fills:  # first: a hit in this same step may be served a block just written
+            try:
+                self._table.record(meta.fills, self._digest)
+            except Exception:
+                log.exception("kv-sidecar probe: write-time fingerprints failed (ignored)")
         for order in meta.captures:
             try:
                 self._pipe.send_message("capture", **self._capture(order))
             except Exception:
                 log.exception("kv-sidecar probe: capture %s failed (ignored)",
                               order.capture_id)
+        now = time.monotonic()
+        if meta.captures or now - self._counts_at >= _COUNTS_EVERY_S:
+            self._send_counts(now)
+
+    def _send_counts(self, now: float) -> None:
+        counts = self._table.take_counts()
+        self._counts_at = now
+        if counts is not None:
+            self._pipe.send_message("fingerprints", **counts)
+
+    def _digest(self, group_id: int, block_id: int) -> str:
+        """One attention block's digest in the engine's layout, where it lives."""
+        return raw_digest([self._kv[name] for name in self._layers.get(group_id, [])],
+                          block_id)
 
     def _capture(self, order: CaptureOrder) -> dict[str, Any]:
         kv = []
+        writes = []
         bs = self._block_size
         for g, index, block_id in order.refs:
+            entry = self._table.get(g, block_id) if order.role == "hit" else None
+            if entry is not None:  # the same digest now, next to the bytes shipped
+                served = self._digest(g, block_id) if entry.digest is not None else None
+                writes.append((g, index, entry.epoch, entry.digest, entry.path, served))
             layers = [self._kv[name] for name in self._layers.get(g, [])]
             spec = self._state_specs.get(g)
             k, v = (decode_state_block(layers, block_id, spec) if spec is not None
                     else decode_block(layers, block_id, bs, self._backend))
             kv.append((g, index, block_id, k.cpu(), v.cpu()))  # shipped: host bytes
         return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
-                              order.query_tokens, order.hit_tokens, order.blocks, kv)
+                              order.query_tokens, order.hit_tokens, order.blocks, kv, writes)
 
     def shutdown(self) -> None:
+        self._send_counts(time.monotonic())
         self._pipe.close()
 
 

@@ -6,7 +6,8 @@ in the process that holds a ``vllm.LLM``:
 * probe pipe (:class:`.receiver.ProbeReceiver`) -> ``Monitor.on_lookup`` for every lookup
   the probe did not sample, ``Monitor.on_captured`` for the 1-in-N it sampled with the KV it
   copied out at match time (the probe samples: the KV must be copied while the engine still
-  holds it);
+  holds it) and each block's write record (write path, write-time fingerprint), and the
+  probe's fingerprint counts to :class:`.fingerprint_signals.FingerprintSignals`;
 * KV event stream (:class:`.subscriber.EventSubscriber`) -> :class:`.audit.EventAuditor`;
 * vLLM's own metrics (:class:`.metrics_bridge.VllmMetricsBridge`) -> allocator state and
   latency, polled by the Monitor's allocator poller;
@@ -30,10 +31,12 @@ from prometheus_client import CollectorRegistry
 from sidecar.adapters.vllm.adapter import (
     VllmAdapter,
     captured_hit,
+    captured_writes,
     engine_info_from_checkpoint,
     hello_mismatches,
 )
 from sidecar.adapters.vllm.audit import EventAuditor
+from sidecar.adapters.vllm.fingerprint_signals import FingerprintSignals
 from sidecar.adapters.vllm.metrics_bridge import VllmMetricsBridge, http_source
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.reference import EngineReference, HFReference, Submit, http_submit
@@ -42,6 +45,7 @@ from sidecar.adapters.vllm.wire import Capture
 from sidecar.checks.verifier import Sample, Verdict
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import Lookup
+from sidecar.core.verdict_listeners import Stage
 from sidecar.signals import BurstReason
 
 log = logging.getLogger(__name__)
@@ -93,10 +97,13 @@ class VllmSidecar:
                 self.metrics, source, cfg.block_size, lookups=cfg.probe_endpoint is None,
                 on_latency=self.monitor.on_request_done, expect_hash_algo=cfg.hash_algo)
         self.receiver: ProbeReceiver | None = None
+        self.fingerprints = FingerprintSignals(self.metrics, info)
+        self.monitor.verdict_listeners.add(self.fingerprints.on_verdict, Stage.SIGNALS)
         if cfg.probe_endpoint:
             self.receiver = ProbeReceiver(cfg.probe_endpoint, self.metrics, self._on_lookups,
                                           self._on_capture, self._on_hello,
-                                          groups=[g.group_id for g in info.groups])
+                                          groups=[g.group_id for g in info.groups],
+                                          handlers={"fingerprints": self.fingerprints.on_counts})
         self.adapter.reference = self._make_reference(cfg, submit)
         self.auditor = EventAuditor(self.metrics, cfg.hash_algo, cfg.hash_seed,
                                     groups=[g.group_id for g in info.groups])
@@ -144,7 +151,7 @@ class VllmSidecar:
 
     def _on_capture(self, cap: Capture) -> None:
         lookup, blocks = captured_hit(cap)
-        self.monitor.on_captured(lookup, blocks)
+        self.monitor.on_captured(lookup, blocks, captured_writes(cap))
 
     def _on_hello(self, hello: dict[str, Any]) -> None:
         # A new probe is a new engine process: its sampler starts a burst, and so does the

@@ -4,6 +4,8 @@ prefix-cache reset. Registered by the vLLM sidecar (``Metrics.register``) where 
 
 from __future__ import annotations
 
+import enum
+
 from sidecar.core.signal_types import C, G, Signal
 from sidecar.core.signal_types import signal as _s
 
@@ -53,13 +55,37 @@ KV_EVENT_INDEX_EVICTIONS = _s("kv_event_index_evictions_total", C,
                               "Entries dropped (oldest first) from the bounded KV event index "
                               "when it was full: removals that never arrived.")
 
+# Write-time fingerprints in the probe (sidecar/adapters/vllm/block_writes.py). group: the
+# cache group's label; path: prefill or decode (WritePath); result: FingerprintResult.
+PROBE_BLOCKS_FINGERPRINTED = _s("probe_blocks_fingerprinted_total", C,
+                                "Full blocks the in-engine probe fingerprinted as a forward "
+                                "completed them (1 in fingerprint_every), by cache group and "
+                                "write path (prefill, decode).", ("group", "path"))
+PROBE_FINGERPRINT_CHECKS = _s("probe_fingerprint_checks_total", C,
+                              "Sampled blocks checked against their write-time fingerprint, by "
+                              "cache group and result (match; mismatch: the bytes served "
+                              "changed after the write; missing: no fingerprint, not one of "
+                              "the 1 in fingerprint_every or evicted).", ("group", "result"))
+PROBE_FINGERPRINT_EVICTIONS = _s("probe_fingerprint_evictions_total", C,
+                                 "Write records the probe dropped (oldest first) from its "
+                                 "bounded table: later hits on those blocks go unfingerprinted.")
+
 VLLM_SIGNALS: tuple[Signal, ...] = (
     KV_EVENTS, KV_EVENT_DECODE_ERRORS, KV_EVENT_GAPS, KV_EVENT_BATCHES_LOST,
     KV_EVENT_BATCHES_REPLAYED, KV_EVENT_HASHES_VERIFIED, KV_EVENT_HASH_MISMATCHES,
     KV_EVENT_HASH_UNVERIFIABLE, KV_EVENT_DUPLICATE_STORES, KV_EVENT_UNKNOWN_REMOVALS,
     KV_INDEXED_BLOCKS, CAPACITY_WAITING, ENGINE_SCRAPE_ERRORS,
-    KV_EVENT_INDEX_EVICTIONS,
+    KV_EVENT_INDEX_EVICTIONS, PROBE_BLOCKS_FINGERPRINTED, PROBE_FINGERPRINT_CHECKS,
+    PROBE_FINGERPRINT_EVICTIONS,
 )
+
+
+class FingerprintResult(enum.StrEnum):
+    """The ``result`` label of :data:`PROBE_FINGERPRINT_CHECKS`."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    MISSING = "missing"
 
 
 # vLLM mitigation (sidecar/adapters/vllm/prefix_reset.py, `vllm serve --reset-prefix-cache`);

@@ -15,7 +15,12 @@ protocol's version) and ``kind``:
   bytes. A recurrent-state group's block carries its state in K and an empty V, so V may
   name its own shape (an 8th element; absent = K's shape). An optional ``key_fields`` map
   (str -> str) carries the request's own key fields (SGLang's tap sends its extra key and
-  cache salt), for the key check against what the block was stored under.
+  cache salt), for the key check against what the block was stored under. An optional
+  ``writes`` list names what the probe recorded when each captured block was last written
+  (:mod:`.block_writes`): ``[group, index, epoch, digest at write or None, write path,
+  digest now or None]`` (both over the block in the engine's layout);
+* ``fingerprints``: counts since the last one, ``blocks: [[group, write path, n], ...]``
+  fingerprinted at write and ``evictions`` from the probe's bounded table.
 
 Every message also carries ``src`` (which pipe sent it) and ``dropped`` (how many messages
 that pipe has dropped so far), so the sidecar can count what was lost on the way.
@@ -31,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from sidecar.core.protocol import BlockKV, BlockRef
+from sidecar.core.protocol import BlockKV, BlockRef, BlockWrite, WritePath
 from sidecar.core.tensor_bytes import byte_view
 
 PROTOCOL_VERSION = 1
@@ -47,6 +52,9 @@ ALLOWED_DTYPES: dict[str, torch.dtype] = {
 MAX_MESSAGE_BYTES = 256 * 2**20  # one capture of a few blocks is a few MB at most
 MAX_DIMS = 8
 MAX_ITEMS = 1_000_000  # lookups per message, tokens per capture, blocks per group
+MAX_DIGEST = 128  # characters of a write-time digest ("xxh3_128:" + 32 hex digits)
+MAX_COUNT_STEP = 1 << 24  # blocks one fingerprints message may report (a probe's second)
+WRITE_PATHS = frozenset(p.value for p in WritePath)
 
 
 class WireError(ValueError):
@@ -144,6 +152,7 @@ class Capture:
     blocks: dict[int, list[int]]
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (group, index) -> K, V
     key_fields: Mapping[str, str] = field(default_factory=dict)
+    writes: Mapping[tuple[int, int], BlockWrite] = field(default_factory=dict)
 
     def block_kv(self, ref: BlockRef) -> BlockKV | None:
         kv = self.kv.get((ref.group_id, ref.index))
@@ -152,15 +161,22 @@ class Capture:
 
 def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequence[int],
                    query_tokens: int, hit_tokens: int, blocks: dict[int, list[int]],
-                   kv: Sequence[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+                   kv: Sequence[tuple[int, int, int, torch.Tensor, torch.Tensor]],
+                   writes: Sequence[tuple[int, int, int, str | None, str, str | None]] = ()
                    ) -> dict[str, Any]:
     """Fields of a ``capture`` message. ``kv``: ``(group, index, block_id, K, V)`` with K
-    and V of shape (layers, kv_heads, block_size, head_dim)."""
-    return dict(id=capture_id, role=role, salt=salt,
-                tokens=[int(t) for t in tokens], query_tokens=int(query_tokens),
-                hit_tokens=int(hit_tokens),
-                blocks={int(g): [int(b) for b in ids] for g, ids in blocks.items()},
-                kv=[_kv_entry(g, i, b, k, v) for g, i, b, k, v in kv])
+    and V of shape (layers, kv_heads, block_size, head_dim); ``writes``: ``(group, index,
+    epoch, digest at write, write path, digest now)`` of the captured blocks the probe saw
+    written."""
+    out = dict(id=capture_id, role=role, salt=salt,
+               tokens=[int(t) for t in tokens], query_tokens=int(query_tokens),
+               hit_tokens=int(hit_tokens),
+               blocks={int(g): [int(b) for b in ids] for g, ids in blocks.items()},
+               kv=[_kv_entry(g, i, b, k, v) for g, i, b, k, v in kv])
+    if writes:
+        out["writes"] = [[int(g), int(i), int(e), d, str(p), now]
+                         for g, i, e, d, p, now in writes]
+    return out
 
 
 def _kv_entry(g: int, i: int, b: int, k: torch.Tensor, v: torch.Tensor) -> list[Any]:
@@ -201,7 +217,46 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
         kv[(gi, ii)] = (tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
                    _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv,
-                   _key_fields(msg.get("key_fields")))
+                   _key_fields(msg.get("key_fields")), _writes(msg.get("writes"), kv))
+
+
+def _writes(raw: Any, kv: Mapping[tuple[int, int], Any]) -> dict[tuple[int, int], BlockWrite]:
+    """A capture's optional ``writes``: only for blocks whose KV the capture carries."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or len(raw) > 1024:
+        raise WireError("writes is not a short list")
+    out: dict[tuple[int, int], BlockWrite] = {}
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 6:
+            raise WireError("a write is not [group, index, epoch, digest, write path, "
+                            "digest now]")
+        g, i = _int(entry[0], "group", 0, 1023), _int(entry[1], "block index")
+        epoch, digest, path, served = _int(entry[2], "epoch"), entry[3], entry[4], entry[5]
+        for d in (digest, served):
+            if d is not None and (not isinstance(d, str) or len(d) > MAX_DIGEST):
+                raise WireError("a write's digest is not a short string")
+        if path not in WRITE_PATHS:
+            raise WireError(f"write path is not one of {sorted(WRITE_PATHS)}")
+        if (g, i) not in kv:
+            raise WireError(f"write for group {g} block #{i}: not a captured block")
+        out[(g, i)] = BlockWrite(path, digest, epoch, served)
+    return out
+
+
+def decode_fingerprint_counts(msg: Mapping[str, Any]) -> tuple[list[tuple[int, str, int]], int]:
+    """A ``fingerprints`` message: ``([(group, write path, blocks)], evictions)``, every
+    count bounded by :data:`MAX_COUNT_STEP` (a peer's claim, never trusted)."""
+    raw = msg.get("blocks", [])
+    if not isinstance(raw, list) or len(raw) > 64:
+        raise WireError("fingerprint counts are not a short list")
+    blocks = []
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 3 or entry[1] not in WRITE_PATHS:
+            raise WireError("a fingerprint count is not [group, write path, blocks]")
+        blocks.append((_int(entry[0], "group", 0, 1023), str(entry[1]),
+                       _int(entry[2], "blocks", 0, MAX_COUNT_STEP)))
+    return blocks, _int(msg.get("evictions", 0), "evictions", 0, MAX_COUNT_STEP)
 
 
 MAX_KEY_FIELDS = 16

@@ -35,9 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the callgrind instruction counts (about 2-4 min on 2 cores)")
     p.add_argument("--instructions", action="store_true",
                    help="count instructions under callgrind even with --quick")
-    p.add_argument("--figures", default="hooks,engine,checks,events,memory,latency,tail",
+    p.add_argument("--figures",
+                   default="hooks,engine,checks,events,memory,latency,tail,fingerprint",
                    help="comma-separated subset of: hooks, engine, checks, events, memory, "
-                        "latency, tail (default: all)")
+                        "latency, tail, fingerprint (the vLLM probe's; default: all)")
     p.add_argument("--guard", action="store_true",  # testbed/kvtestbed/bench/perf_guard.py
                    help="also measure the cache-bypass guard's overhead when closed "
                         "(throughput, P50/P99 through it vs direct)")
@@ -250,7 +251,7 @@ def tail_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
     return rows
 
 
-FIGURES = ("hooks", "engine", "checks", "events", "memory", "latency", "tail")
+FIGURES = ("hooks", "engine", "checks", "events", "memory", "latency", "tail", "fingerprint")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,6 +292,10 @@ def run(args: argparse.Namespace) -> int:
             rows += latency_rows(args.quick, raw)
         elif fig == "tail":
             rows += tail_rows(args.quick, repeats, raw)
+        elif fig == "fingerprint":  # testbed/kvtestbed/bench/perf_fingerprint.py
+            from kvtestbed.bench.perf_fingerprint import fingerprint_rows
+
+            rows += fingerprint_rows(args.quick, repeats, raw)
     if getattr(args, "guard", False):  # the guard's block (testbed/kvtestbed/bench/perf_guard.py)
         from kvtestbed.bench.perf_guard import guard_rows
 

@@ -43,12 +43,12 @@ class CaptureVerifier:
             + m.value_sum(S.HOOK_ERRORS.name)
 
     def __call__(self, cap: Any) -> None:
-        from sidecar.adapters.vllm.adapter import captured_hit
+        from sidecar.adapters.vllm.adapter import captured_hit, captured_writes
 
         self.delivered += 1
         before = self._tally()
         try:
-            self.monitor.on_captured(*captured_hit(cap))
+            self.monitor.on_captured(*captured_hit(cap), captured_writes(cap))
         except Exception:
             self.escaped += 1  # on_captured never raises: this is a bug the fuzz found
             return
