@@ -77,7 +77,8 @@ def machine() -> dict[str, Any]:
 
 def _commit(root: Path) -> str:
     try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty",
+                               "--abbrev=7"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -87,6 +88,7 @@ def record(name: str, root: Path) -> int:
     """Run bench ``name`` and store its JSON; the bench's own exit code (1: a check failed,
     which the page shows, never hides)."""
     bench = BENCHES[name]
+    commit = _commit(root)  # the code the run measures: taken before it starts
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli", *bench.args],
@@ -101,7 +103,7 @@ def record(name: str, root: Path) -> int:
     doc = {"bench": name, "command": " ".join(("kv-sidecar", *bench.args)),
            "scope": bench.scope, "exit_code": proc.returncode,
            "date": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(seconds, 1),
-           "commit": _commit(root), "machine": machine(), "result": result}
+           "commit": commit, "machine": machine(), "result": result}
     path = root / BENCH_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
