@@ -1,6 +1,6 @@
 # kv-sidecar: two commands do all the set-up on a fresh machine.
 #   make demo   - build .venv, run the reference engine with a fault, watch the sidecar catch it
-#   make test   - build .venv (and .venv-vllm, .venv-lmcache, .venv-sglang), run lint, unit, lean-install, Prometheus/Alertmanager e2e, vLLM, LMCache, SGLang and Kubernetes-manifest tests
+#   make test   - build .venv (and .venv-vllm, .venv-lmcache, .venv-sglang), run lint, the docs site build, unit, lean-install, Prometheus/Alertmanager e2e, vLLM, LMCache, SGLang and Kubernetes-manifest tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 FAULT ?= zero-block
 DEMO_ARGS ?=
 
-.PHONY: demo test venv lint test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy bench stack clean
+.PHONY: demo test venv lint docs test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy bench stack clean
 
 venv: $(VENV)/.installed
 
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[demo,hf,events,dev]'
+	$(PY) -m pip install -q -e '.[demo,hf,events,dev,plot]'
 	$(PY) -m pip install -q --no-deps -e ./testbed
 	touch $@
 
@@ -28,6 +28,11 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check sidecar testbed tests dashboards alerts examples deploy
 	$(VENV)/bin/mypy sidecar testbed/kvtestbed
+
+# The docs site (docs/, mkdocs.yml): broken links, missing pages or anchors fail the build.
+# Its generated pages are checked for staleness by tests/test_docs_generated.py.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 test-unit: venv
 	$(PY) -m pytest -q -m "not e2e and not vllm and not lmcache and not sglang and not deploy" tests
@@ -54,7 +59,7 @@ test-deploy: venv
 test-sglang:
 	bash scripts/test-sglang.sh
 
-test: lint test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy
+test: lint docs test-unit test-lean test-e2e test-vllm test-lmcache test-sglang test-deploy
 
 # Prometheus + Alertmanager + the demo on 127.0.0.1 (needs the Debian packages; Ctrl-C stops all).
 stack: venv
@@ -64,10 +69,10 @@ bench: venv
 	$(VENV)/bin/kv-sidecar bench detection
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-lmcache .venv-sglang .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-lmcache .venv-sglang .pytest_cache .mypy_cache .ruff_cache site
 
 # N demo replicas (one with FAULT) behind one Prometheus + Alertmanager on 127.0.0.1; the page
-# names the bad replica (examples/fleet/README.md). Ctrl-C stops all.
+# names the bad replica (docs/operations/fleet.md). Ctrl-C stops all.
 N ?= 4
 .PHONY: fleet
 fleet: venv

@@ -35,7 +35,7 @@ class MixinConfig:
     # A fleet: the replicas compared with each other (one model on one engine; alerts/fleet.py).
     fleet_labels: tuple[str, ...] = ("job", *S.BASE_LABELS)
     # Target labels a scrape config adds per replica, copied onto the fleet page so it can
-    # name the GPU (examples/fleet/README.md); absent ones are simply left out.
+    # name the GPU (docs/operations/fleet.md); absent ones are simply left out.
     target_labels: tuple[str, ...] = ("replica", "gpu")
 
 

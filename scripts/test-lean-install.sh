@@ -29,7 +29,7 @@ cp tests/toy.py "$tmp/toy.py"  # a tiny in-memory engine + adapter (sidecar and 
 "$PY" -m pip install -q "$tmp/src"
 
 installed=$("$PY" -m pip list --format=freeze | cut -d= -f1 | tr '[:upper:]_' '[:lower:]-')
-for pkg in pytest grafanalib transformers pyyaml ruff mypy pyzmq msgpack; do
+for pkg in pytest grafanalib transformers pyyaml ruff mypy pyzmq msgpack matplotlib mkdocs; do
     if grep -qx "$pkg" <<<"$installed"; then fail "the lean runtime installed $pkg"; fi
 done
 for pkg in torch numpy prometheus-client opentelemetry-sdk apscheduler kv-sidecar; do

@@ -1,6 +1,7 @@
 """The detection benchmark, reduced for CI: every catalogued fault caught in float32, the
 precision-sensitive ones in bfloat16, no false positive on clean traffic, and the command's
-JSON contract. The full run (`kv-sidecar bench detection`) is in the README."""
+JSON contract. The full run (`kv-sidecar bench detection`) is on the docs site
+(docs/bench/detection.md)."""
 
 from __future__ import annotations
 

@@ -5,18 +5,20 @@ recomputed KV (safetensors); record and tensors survive SIGKILL together or not 
 
 from __future__ import annotations
 
+import importlib.machinery
+import itertools
 import json
 import os
 import random
-import struct
-import zlib
+import sys
 
 import pytest
 import torch
 from kvtestbed.bench.evidence_kill import kill_cycles
 
 from sidecar.cli.main import main
-from sidecar.evidence.plot import palette
+from sidecar.core import extras
+from sidecar.evidence.plot import LEVELS, cell_centre, colormap
 from sidecar.evidence.record import EvidenceLog, tensor_key
 from sidecar.evidence.safetensors_io import dumps, loads
 from tests.conftest import make_toy
@@ -73,29 +75,27 @@ def test_record_names_check_blocks_epochs_errors_lifecycle_and_kv(tmp_path, caps
     assert len(listing) == 2 and "recompute_mismatch" in listing[1] and listing[1].endswith("yes")
 
 
-def _decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Width, height and RGB rows of a PNG (chunks CRC-checked, filter 0 rows only)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width = 8, b"", 0
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
-        if kind == b"IHDR":
-            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
-            assert (depth, colour) == (8, 2)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw = zlib.decompress(idat)
-    stride = 1 + 3 * width
-    rows = [raw[i * stride:(i + 1) * stride] for i in range(height)]
-    assert all(r[0] == 0 for r in rows)
-    return width, height, [r[1:] for r in rows]
+def _levels(png_path, plot: dict) -> dict[tuple[int, int, int, int], int]:
+    """Each cell's colour level, read back from the PNG with matplotlib's own reader: the
+    nearest colour of the plot's scale at the cell's centre pixel."""
+    image = pytest.importorskip("matplotlib.image").imread(str(png_path))[:, :, :3]
+    lay = plot["layout"]
+    assert image.shape[:2] == (lay["height"], lay["width"])
+    scale = torch.tensor(colormap()(list(range(LEVELS)))[:, :3], dtype=torch.float32)
+    cells = {}
+    for key in itertools.product(range(lay["layers"]), range(lay["heads"]), (0, 1),
+                                 range(lay["tokens"])):
+        x, y = cell_centre(lay, *key)
+        rgb = torch.tensor(image[y, x], dtype=torch.float32)
+        distance, level = ((scale - rgb) ** 2).sum(dim=1).min(dim=0)
+        assert float(distance) < 1e-3, f"cell {key} at ({x}, {y}) is not a scale colour"
+        cells[key] = int(level)
+    return cells
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_plot_hottest_cell_is_the_corrupted_position(tmp_path, capsys, seed) -> None:
+    pytest.importorskip("matplotlib")
     rng = random.Random(seed)
     layer, head, token, dim = (rng.randrange(n) for n in (LAYERS, HEADS, BS, DIM))
     part = rng.randrange(2)
@@ -103,32 +103,48 @@ def test_plot_hottest_cell_is_the_corrupted_position(tmp_path, capsys, seed) -> 
                         delta=rng.uniform(0.3, 3.0))
     png = tmp_path / "out.png"
     plot = _show(tmp_path, capsys, "--plot", str(png))["plot"]
-    width, height, rows = _decode_png(png.read_bytes())
-    lay = plot["layout"]
-    assert (width, height) == (lay["width"], lay["height"])
-    colours = palette(plot["tolerance"] / plot["scale_top"])
-    level_of = {c: i for i, c in enumerate(colours)}
-    cells = {}
-    tile_w, tile_h = lay["tokens"] * lay["cell_w"], 2 * lay["cell_h"]
-    for li in range(lay["layers"]):
-        for hi in range(lay["heads"]):
-            for kv in (0, 1):
-                for ti in range(lay["tokens"]):
-                    x = lay["grid_x"] + hi * (tile_w + lay["gap"]) + ti * lay["cell_w"] \
-                        + lay["cell_w"] // 2
-                    y = lay["grid_y"] + li * (tile_h + lay["gap"]) + kv * lay["cell_h"] \
-                        + lay["cell_h"] // 2
-                    rgb = tuple(rows[y][3 * x:3 * x + 3])
-                    cells[(li, hi, kv, ti)] = level_of[rgb]  # KeyError: not a scale colour
+    cells = _levels(png, plot)
     hottest = max(cells, key=lambda c: cells[c])
     assert hottest == (layer, head, part, token)
-    assert cells[hottest] == len(colours) - 1
-    # the hot cell is over the tolerance, every other is below it
-    tol_level = plot["tolerance"] / plot["scale_top"] * (len(colours) - 1)
-    assert sorted(cells.values())[-2] < tol_level < cells[hottest]
+    # the hot cell is over the tolerance (the upper half of the scale), every other under it
+    assert sorted(cells.values())[-2] < LEVELS // 2 <= cells[hottest]
     assert (plot["layer"], plot["head"], plot["kv"], plot["token"]) == \
         (layer, head, "KV"[part], token)
     assert (plot["block"], plot["position"]) == (1, BS + token)
+
+
+def test_plot_names_its_axes_tolerance_block_and_kind(tmp_path, capsys, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn: list[Figure] = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda fig, *a, **k: (drawn.append(fig), real_savefig(fig, *a, **k)))
+    _corrupt_and_verify(tmp_path, (1, 0, 2, 5))
+    plot = _show(tmp_path, capsys, "--plot", str(tmp_path / "out.png"))["plot"]
+    [fig] = drawn
+    grid, bar = fig.axes[0], fig.axes[-1]
+    assert "layer" in grid.get_ylabel() and "token" in grid.get_xlabel()
+    [heads] = grid.child_axes  # the secondary x axis on top: one label per KV head
+    assert "head 0" in [t.get_text() for t in heads.get_xticklabels()]
+    title = fig._suptitle.get_text()
+    assert "recompute_mismatch" in title and "block #1" in title
+    assert f"tolerance {plot['tolerance']:.3g}" in [t.get_text() for t in bar.get_yticklabels()]
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch) -> None:
+    _corrupt_and_verify(tmp_path, (1, 0, 2, 5))
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(extras.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("matplotlib") else
+                        importlib.machinery.PathFinder.find_spec(name))
+    code = main(["evidence", "show", "1", "--dir", str(tmp_path), "--plot",
+                 str(tmp_path / "out.png")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "kv-sidecar[plot]" in err and "Traceback" not in err
 
 
 def test_sigkill_at_20_random_moments_leaves_no_partial_record(tmp_path) -> None:

@@ -42,7 +42,8 @@ def test_overrides_parse_and_bad_ones_are_clear_errors() -> None:
 
 def test_min_tolerance_is_a_few_ulps_of_the_dtype() -> None:
     assert min_tolerance("bfloat16") == MIN_ULPS * 2.0 ** -7
-    # float32's measured floor (1.65e-6 reference engine, 1.5e-6 vLLM: the README's table)
+    # float32's measured floor (1.65e-6 reference engine, 1.5e-6 vLLM: the table in
+    # sidecar/checks/tolerance.py)
     # is over 8 epsilons: its minimum sits over that floor with a margin, under corruption.
     assert min_tolerance("torch.float32") == MEASURED_MINIMUMS["float32"]
     assert 4 * 1.65e-6 < min_tolerance("float32") > MIN_ULPS * 2.0 ** -23

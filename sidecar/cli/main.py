@@ -3,7 +3,7 @@
 Subcommands:
   demo      run the reference engine under a chat workload with the sidecar attached (testbed)
   faults    list the faults the reference engine can inject (testbed)
-  signals   list the exported signals (``--markdown`` prints the README table)
+  signals   list the exported signals (``--markdown``: as a Markdown table)
   vllm      the sidecar beside a vLLM server (event audit, metrics bridge, probe)
   sglang    the sidecar beside an SGLang server (radix-cache backend tap)
   bench     benchmarks (``bench detection``; testbed)
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("signals", help="list the exported signals",
                        description="List every signal kv-sidecar exports (the single source "
                                    "of truth in sidecar/signals/).")
-    s.add_argument("--markdown", action="store_true", help="print the README's table")
+    s.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
     _add_testbed_parser(sub, "bench")
 

@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hf-reference": ("hf", ("transformers",)),
     "otlp": ("otlp", ("opentelemetry.exporter.otlp.proto.http",)),
     "otlp-grpc": ("otlp-grpc", ("opentelemetry.exporter.otlp.proto.grpc", "grpc")),
+    "plot": ("plot", ("matplotlib",)),  # kv-sidecar evidence show --plot
 }
 
 

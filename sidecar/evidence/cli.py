@@ -9,7 +9,6 @@ is not what its record says, nothing to plot).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from sidecar.core.extras import MissingExtra, require
 from sidecar.evidence.files import MAX_TENSOR_FILE_BYTES, read_regular
 from sidecar.evidence.read import RecordUnreadable, Unreadable, read_record, scan_records
 from sidecar.evidence.record import record_name, tensors_name
@@ -173,6 +173,10 @@ def format_list(records: list[dict[str, Any]],
 def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
                out: str) -> dict[str, Any]:
     """Render the record's heatmap to ``out``; returns where the hottest cell is."""
+    try:
+        require("plot")
+    except MissingExtra as exc:
+        raise EvidenceError(str(exc)) from None
     from sidecar.evidence.plot import NothingToPlot, heat_from_tensors, render
 
     if not tensors:
@@ -187,14 +191,14 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
         heat = heat_from_tensors(tensors, float(tol) if tol is not None else None)
     except NothingToPlot as exc:
         raise EvidenceError(f"record {rec['seq']} cannot be plotted: {exc}") from None
-    checks = ",".join(rec.get("checks") or [])
-    title = [f"kv-sidecar evidence #{rec['seq']}  {checks}",
-             f"group {heat.group}  hit blocks #{',#'.join(map(str, heat.blocks))}  "
-             f"({heat.block_tokens} tokens each)",
-             "|cached - recomputed| / rms(recomputed)",
-             "tile: layer x head; rows K, V; columns: tokens"]
+    kinds = ", ".join(map(str, rec.get("checks") or [])) or "anomaly"
+    plural = "s" if len(heat.blocks) > 1 else ""
+    title = (f"kv-sidecar evidence #{rec['seq']}: {kinds} - group {heat.group}, "
+             f"block{plural} #{', #'.join(map(str, heat.blocks))}")
+    subtitle = (f"{heat.block_tokens} tokens per block; cells over the tolerance are red to "
+                "yellow")
     try:
-        png, lay, _, vmax = render(heat, title)
+        png, lay, vmax = render(heat, title, subtitle)
     except NothingToPlot as exc:
         raise EvidenceError(f"record {rec['seq']} cannot be plotted: {exc}") from None
     try:
@@ -208,7 +212,7 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
     return {"path": out, "layer": layer, "head": head, "kv": ("K", "V")[kv],
             "token": within, "block": block, "position": block * heat.block_tokens + within,
             "value": float(flat[layer, head, kv, token]), "tolerance": heat.tolerance,
-            "scale_top": vmax, "layout": dataclasses.asdict(lay)}
+            "scale_top": vmax, "layout": lay}
 
 
 def _directory(value: str | None) -> Path:

@@ -1,25 +1,29 @@
-"""Where a block is wrong, as a picture: ``kv-sidecar evidence show ID --plot out.png``.
+"""Where a block is wrong, as a figure: ``kv-sidecar evidence show ID --plot out.png``.
 
 The recompute check condemns a block on ``max|cached - recomputed| / rms(recomputed)``
-(:mod:`sidecar.checks.recompute`, per block, K and V apart). The plot shows that same
-quantity before the max: per layer (tile row), KV head (tile column) and token (cell column),
-with K and V as the two cell rows of each tile, each cell the largest over ``head_dim``. The
-colour bar beside it marks the tolerance: cells below it are shades of blue, cells above it
-run red to yellow, so the wrong positions stand out at a glance.
+(:mod:`sidecar.checks.recompute`, per block, K and V apart). The figure shows that same
+quantity before the max, as one image: a row per layer and K/V (y axis: layer), a column per
+KV head and token (x axis: token, grouped by head), each cell the largest over ``head_dim``.
+The colour bar marks the tolerance: cells below it are blues, cells above it run red to
+yellow, so the wrong positions stand out at a glance. The title names the record, the kind
+(the checks that fired), the cache group and the blocks.
+
+Drawn with matplotlib (the ``[plot]`` extra), on its object API with the Agg canvas: no
+pyplot state, no display, nothing global touched in the process that draws.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from sidecar.evidence.png import RGB, Canvas, text_width
-
-LEVELS = 256
-BACKGROUND: RGB = (255, 255, 255)
+LEVELS = 256  # colours in the scale: half blues (under the tolerance), half red to yellow
+DPI = 100
 # A picture a person can read, drawn in seconds: 126 layers x 8 KV heads x 2 x 512 tokens
 # fits; 2,000 x 2,000 heads (which once took 193 s and 3.3 GB) is refused up front.
 MAX_PLOT_CELLS = 2**20
@@ -107,123 +111,99 @@ def _check_size(tensors: Mapping[str, torch.Tensor], group: int,
                                 "safetensors reader instead)")
 
 
-def palette(tol_fraction: float) -> list[RGB]:
-    """``LEVELS`` colours from 0 to the scale's top; levels up to ``tol_fraction`` of the
-    scale are blues (within tolerance), levels above are red through yellow (over it)."""
-    out: list[RGB] = []
-    t = min(max(tol_fraction, 0.0), 1.0)
-    for i in range(LEVELS):
-        f = i / (LEVELS - 1)
-        if f <= t and t > 0:
-            u = f / t
-            out.append((int(235 - 185 * u), int(240 - 140 * u), int(250 - 60 * u)))
-        else:
-            u = (f - t) / (1 - t) if t < 1 else 1.0
-            out.append((int(200 + 55 * u), int(20 + 220 * u), int(20 + 100 * u * u)))
-    return out
+def colormap() -> Any:
+    """The scale's colours: ``LEVELS // 2`` blues from light to deep for 0 up to the
+    tolerance, then red through yellow above it (``TwoSlopeNorm`` centres it on the
+    tolerance)."""
+    from matplotlib.colors import ListedColormap
+
+    half = LEVELS // 2
+    blues = [(0.92 - 0.72 * u, 0.94 - 0.55 * u, 0.98 - 0.24 * u)
+             for u in (i / (half - 1) for i in range(half))]
+    hot = [(0.78 + 0.22 * u, 0.08 + 0.86 * u, 0.08 + 0.4 * u * u)
+           for u in (i / (half - 1) for i in range(half))]
+    return ListedColormap(blues + hot, name="kvsidecar-tolerance")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where everything is in the picture (the test reads cells back through it)."""
+def _norm(vmax: float, tol: float | None) -> Any:
+    from matplotlib.colors import Normalize, TwoSlopeNorm
 
-    layers: int
-    heads: int
-    tokens: int
-    cell_w: int
-    cell_h: int
-    gap: int
-    grid_x: int
-    grid_y: int
-    bar_x: int
-    bar_y: int
-    bar_h: int
-    width: int
-    height: int
-
-    @property
-    def tile_w(self) -> int:
-        return self.tokens * self.cell_w
-
-    @property
-    def tile_h(self) -> int:
-        return 2 * self.cell_h
-
-    def cell_origin(self, layer: int, head: int, kv: int, token: int) -> tuple[int, int]:
-        x = self.grid_x + head * (self.tile_w + self.gap) + token * self.cell_w
-        y = self.grid_y + layer * (self.tile_h + self.gap) + kv * self.cell_h
-        return x, y
+    if tol is None or not 0 < tol < vmax:
+        return Normalize(vmin=0.0, vmax=vmax)
+    return TwoSlopeNorm(vmin=0.0, vcenter=tol, vmax=vmax)
 
 
-def layout(layers: int, heads: int, tokens: int, title: list[str] | None = None) -> Layout:
-    title = title or []
-    gap = 6
-    cell_w = max(1, min(12, (1200 // max(heads, 1) - gap) // max(tokens, 1)))
-    cell_h = max(1, min(12, (1000 // max(layers, 1) - gap) // 2))
-    grid_x = 12 + text_width("L00 K")
-    grid_y = 12 + len(title) * 14 + 16
-    grid_w = heads * (tokens * cell_w + gap) - gap
-    grid_h = layers * (2 * cell_h + gap) - gap
-    bar_x = grid_x + grid_w + 24
-    bar_h = max(grid_h, 160)
-    width = max(bar_x + 20 + text_width("TOL 0.000E+00", 1) + 12,
-                24 + max((text_width(line) for line in title), default=0))
-    height = grid_y + max(grid_h, bar_h) + 12
-    return Layout(layers, heads, tokens, cell_w, cell_h, gap, grid_x, grid_y, bar_x,
-                  grid_y, bar_h, width, height)
+def _ticks(count: int, most: int) -> list[int]:
+    step = max(1, -(-count // most))
+    return list(range(0, count, step))
 
 
-def render(heat: Heat, title: list[str]) -> tuple[bytes, Layout, list[RGB], float]:
-    """The PNG, its layout, the palette and the value at the top of the scale."""
+def render(heat: Heat, title: str, subtitle: str = "") -> tuple[bytes, dict[str, Any], float]:
+    """The PNG, where the image sits in it (for a reader: pixel box of the grid, rows and
+    columns) and the value at the top of the scale."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     layers, heads, _, tokens = heat.values.shape
     finite = heat.values[torch.isfinite(heat.values)]
     top = float(finite.max()) if finite.numel() else 1.0
     tol = heat.tolerance if heat.tolerance is not None and heat.tolerance > 0 else None
-    vmax = max(top, tol or 0.0, 1e-30)
-    colours = palette(tol / vmax if tol else 1.0)
-    lay = layout(layers, heads, tokens, title)
-    if lay.width * lay.height > MAX_PLOT_PIXELS:
+    vmax = max(top, tol * 1.25 if tol else 0.0, 1e-30)
+    rows, cols = 2 * layers, heads * tokens
+    width_in = min(max(3.0 + cols * 0.14, 6.0), 40.0)
+    height_in = min(max(2.2 + rows * 0.22, 3.5), 40.0)
+    if width_in * height_in * DPI * DPI > MAX_PLOT_PIXELS:
         raise NothingToPlot(f"too large to plot: {layers} layers x {heads} heads x {tokens} "
-                            f"tokens makes a {lay.width}x{lay.height} picture, over "
-                            f"{MAX_PLOT_PIXELS} pixels")
-    c = Canvas(lay.width, lay.height, BACKGROUND)
-    for i, line in enumerate(title):
-        c.text(12, 12 + i * 14, line)
-    for h in range(heads):
-        x, _ = lay.cell_origin(0, h, 0, 0)
-        c.text(x, lay.grid_y - 14, f"H{h}")
-    scaled = (heat.values.clamp(max=vmax) / vmax * (LEVELS - 1)).nan_to_num(LEVELS - 1)
-    levels: list[list[list[list[int]]]] = scaled.round().to(torch.int64).tolist()
-    for layer in range(layers):
-        _, y = lay.cell_origin(layer, 0, 0, 0)
-        scale = 2 if lay.cell_h >= 10 else 1
-        c.text(12, y, f"L{layer} K" if lay.cell_h >= 5 else f"L{layer}", scale=scale)
-        if lay.cell_h >= 5:
-            c.text(12 + text_width(f"L{layer} ", scale), y + lay.cell_h, "V", scale=scale)
-        for head in range(heads):
-            for kv in (0, 1):
-                row = levels[layer][head][kv]
-                for token in range(tokens):
-                    x, y = lay.cell_origin(layer, head, kv, token)
-                    c.rect(x, y, lay.cell_w, lay.cell_h, colours[row[token]])
-            # block boundaries inside a tile: a thin white line
-            for k in range(1, len(heat.blocks)):
-                x, y = lay.cell_origin(layer, head, 0, k * heat.block_tokens)
-                c.rect(x, y, 1, lay.tile_h, BACKGROUND)
-    _colour_bar(c, lay, colours, vmax, tol)
-    return c.png(), lay, colours, vmax
-
-
-def _colour_bar(c: Canvas, lay: Layout, colours: list[RGB], vmax: float,
-                tol: float | None) -> None:
-    """The scale, top = ``vmax``; the tolerance marked with a black line and its value."""
-    for i in range(lay.bar_h):
-        level = round((lay.bar_h - 1 - i) / max(lay.bar_h - 1, 1) * (LEVELS - 1))
-        c.rect(lay.bar_x, lay.bar_y + i, 14, 1, colours[level])
-    c.text(lay.bar_x + 18, lay.bar_y, f"{vmax:.3g}".upper(), scale=1)
-    c.text(lay.bar_x + 18, lay.bar_y + lay.bar_h - 5, "0", scale=1)
+                            f"tokens, over {MAX_PLOT_PIXELS} pixels")
+    image = heat.values.clamp(max=vmax).nan_to_num(nan=vmax, posinf=vmax)
+    # (layers, heads, 2, tokens) -> rows: layer-major K, V; columns: head-major tokens
+    grid = image.permute(0, 2, 1, 3).reshape(rows, cols).numpy()
+    fig = Figure(figsize=(width_in, height_in), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    shown = ax.imshow(grid, cmap=colormap(), norm=_norm(vmax, tol), aspect="auto",
+                      interpolation="nearest", resample=False)
+    fig.suptitle(f"{title}\n{subtitle}" if subtitle else title, fontsize=9)
+    ax.set_ylabel("layer (rows K, V)")
+    ax.set_xlabel(f"token (within each of {heads} KV head{'s' if heads > 1 else ''})")
+    row_ticks = _ticks(rows, 32)
+    ax.set_yticks(row_ticks, [f"L{r // 2} {'KV'[r % 2]}" for r in row_ticks], fontsize=7)
+    col_ticks = [h * tokens + t for h in range(heads) for t in _ticks(tokens, max(2, 48 // heads))]
+    ax.set_xticks(col_ticks, [str(c % tokens) for c in col_ticks], fontsize=6)
+    heads_axis = ax.secondary_xaxis("top")
+    head_ticks = _ticks(heads, 24)
+    heads_axis.set_xticks([h * tokens + (tokens - 1) / 2 for h in head_ticks],
+                          [f"head {h}" for h in head_ticks], fontsize=7)
+    for h in range(1, heads):  # head boundaries: cell edges, never a cell's centre
+        ax.axvline(h * tokens - 0.5, color="black", linewidth=1.5)
+    for k in range(1, len(heat.blocks)):  # block boundaries inside a head
+        for h in range(heads):
+            ax.axvline(h * tokens + k * heat.block_tokens - 0.5, color="black", linewidth=0.6,
+                       linestyle=":")
+    for r in range(2, rows, 2):  # layer boundaries
+        ax.axhline(r - 0.5, color="white", linewidth=1.0)
+    bar = fig.colorbar(shown, ax=ax, fraction=0.04, pad=0.02)
+    bar.set_label("|cached - recomputed| / rms(recomputed)", fontsize=7)
     if tol is not None:
-        y = lay.bar_y + round((1 - tol / vmax) * (lay.bar_h - 1))
-        c.rect(lay.bar_x - 4, y, 22, 2, (0, 0, 0))
-        c.text(lay.bar_x + 18, min(max(y - 2, lay.bar_y + 8), lay.bar_y + lay.bar_h - 14),
-               f"TOL {tol:.3g}".upper(), scale=1)
+        bar.ax.axhline(tol, color="black", linewidth=2)
+        bar.set_ticks([0.0, tol, vmax], labels=["0", f"tolerance {tol:.3g}", f"{vmax:.3g}"])
+    fig.canvas.draw()
+    box = ax.get_window_extent()  # display pixels, origin bottom left
+    height_px = round(fig.get_figheight() * DPI)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    layout = {"layers": layers, "heads": heads, "tokens": tokens, "rows": rows, "cols": cols,
+              "width": round(fig.get_figwidth() * DPI), "height": height_px,
+              "x0": box.x0, "x1": box.x1, "top": height_px - box.y1,
+              "bottom": height_px - box.y0}
+    return buf.getvalue(), layout, vmax
+
+
+def cell_centre(layout: Mapping[str, Any], layer: int, head: int, kv: int,
+                token: int) -> tuple[int, int]:
+    """Pixel (x, y from the top) of a cell's centre in the PNG :func:`render` wrote."""
+    col = head * layout["tokens"] + token
+    row = 2 * layer + kv
+    x = layout["x0"] + (col + 0.5) * (layout["x1"] - layout["x0"]) / layout["cols"]
+    y = layout["top"] + (row + 0.5) * (layout["bottom"] - layout["top"]) / layout["rows"]
+    return int(x), int(y)

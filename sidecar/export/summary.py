@@ -1,7 +1,7 @@
 """The run summary: the demo's ``--json`` object and the ``/status`` page.
 
-Its keys are part of the CLI contract (README, "What the demo shows"); every value is read
-from the same registry Prometheus scrapes, so the summary and /metrics never disagree.
+Its keys are part of the CLI contract (docs/getting-started.md, "What the demo shows"); every
+value is read from the same registry Prometheus scrapes, so the summary and /metrics never disagree.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Everything that names a signal imports it from here: the exporter (:mod:`sidecar.export.metrics`),
 the dashboards (``dashboards/*.dashboard.py``), the alert-rule generator (``alerts/``), the
-README's signals table (``kv-sidecar signals --markdown``) and the tests. Renaming a metric
-is a one-line change where it is defined.
+docs site's signals page (``python -m kvtestbed.docs``, ``kv-sidecar signals --markdown``) and
+the tests. Renaming a metric is a one-line change where it is defined.
 
 Where each set is defined:
 
@@ -33,7 +33,7 @@ from sidecar.signals.core import *  # noqa: F403
 from sidecar.signals.kinds import *  # noqa: F403
 from sidecar.signals.lmcache import *  # noqa: F403
 
-# In the order the README table, the dashboards and /metrics list them (unchanged since the
+# In the order the docs' signals page, the dashboards and /metrics list them (unchanged since the
 # sets lived in one module).
 ALL_SIGNALS: tuple[Signal, ...] = (  # noqa: F405
     *BASE_SIGNALS, *VLLM_SIGNALS, *TOLERANCE_SIGNALS, *CANARY_SIGNALS,  # noqa: F405
@@ -66,7 +66,7 @@ def by_name(name: str) -> Signal:  # noqa: F405
 
 
 def markdown_table() -> str:
-    """The README's signals table, generated so the docs cannot drift from the code."""
+    """The signals as a Markdown table (``kv-sidecar signals --markdown``)."""
     rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
     for s in ALL_SIGNALS:
         labels = ", ".join(BASE_LABELS + s.labels)  # noqa: F405

@@ -1,6 +1,7 @@
 """Every kustomization renders; every object validates against the Kubernetes schemas of the
 oldest and newest supported versions (core) or kv-sidecar's CRD schemas (operator); the pod
-is wired as the README says; and a misspelt field fails validation."""
+is wired as the Kubernetes guide (docs/guides/kubernetes.md) says; and a misspelt field
+fails validation."""
 
 from __future__ import annotations
 
@@ -272,7 +273,7 @@ def test_guard_command_line_parses_with_the_real_cli(tmp_path: Path) -> None:
 def test_guard_secret_is_a_placeholder_the_readme_says_to_replace() -> None:
     text = (KUBE / "overlays" / "guard" / "guard-secret.env").read_text()
     assert "REPLACE-ME" in text
-    readme = (KUBE.parent.parent / "README.md").read_text()
+    readme = (KUBE.parent.parent / "docs" / "guides" / "kubernetes.md").read_text()
     assert "guard-secret.env" in readme
 
 

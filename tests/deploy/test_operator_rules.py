@@ -103,7 +103,7 @@ def test_pages_and_tickets_route_as_in_the_example(labels: list[str],
 def test_an_alert_without_the_namespace_label_reaches_no_receiver_of_ours(
         monitoring: list[dict[str, Any]], tmp_path: Path) -> None:
     """The operator's default matcher strategy: an AlertmanagerConfig only sees alerts with
-    its namespace label. kv-sidecar's alerts aggregate it away, hence the README's
+    its namespace label. kv-sidecar's alerts aggregate it away, hence the Kubernetes guide's
     ``enforcedNamespaceLabel`` (or matcher strategy None)."""
     amtool = require("amtool")
     assert _route(amtool, _merged(monitoring, tmp_path),

@@ -6,7 +6,7 @@
   SGLang's /metrics audited) and serves ``/metrics``, ``/healthz`` and ``/status`` on
   127.0.0.1.
 
-See examples/sglang/README.md.
+See docs/guides/sglang.md (the docs site's SGLang guide).
 """
 
 from __future__ import annotations

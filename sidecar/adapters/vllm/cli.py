@@ -7,7 +7,7 @@ Two subcommands:
 * ``serve``: runs the sidecar (probe receiver, event audit, metrics bridge, Monitor) and
   serves ``/metrics``, ``/healthz`` and ``/status`` on 127.0.0.1.
 
-See examples/vllm/README.md for a walk-through.
+See docs/guides/vllm.md (the docs site's vLLM guide) for a walk-through.
 """
 
 from __future__ import annotations

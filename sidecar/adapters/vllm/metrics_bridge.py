@@ -1,6 +1,6 @@
 """vLLM's own /metrics, re-exported under the sidecar's signal names.
 
-Choice (documented in examples/vllm/README.md): the bridge *translates* rather than letting
+Choice (documented in docs/guides/vllm.md): the bridge *translates* rather than letting
 the dashboards join two namings, so the sidecar's dashboards and alert rules work unchanged
 for vLLM and for any other engine. The mapping, from vLLM 0.32's Prometheus series:
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VllmSidecarConfig:
-    """Where the engine is and how to check it; see examples/vllm/README.md."""
+    """Where the engine is and how to check it; see docs/guides/vllm.md."""
 
     model_dir: str
     dtype: str
