@@ -100,3 +100,26 @@ def test_a_negative_interval_turns_nudged_polls_off() -> None:
         assert poller.nudged_polls == 0 and adapter.tables == 0
     finally:
         poller.stop()
+
+
+def test_a_nudge_while_one_waits_behind_a_poll_is_never_lost() -> None:
+    """A nudged poll waiting for the lock still counts as due: a nudge then collapses into it
+    instead of adding a third instance, which the scheduler would refuse, leaving nudges
+    "due" for good (the allocator demo then polled 14 times in 150 requests)."""
+    adapter = Counting()
+    poller = _poller(adapter, 0.0)
+    poller.start()
+    try:
+        adapter.release.clear()
+        poller.nudge()
+        assert adapter.entered.wait(HANG_S)  # the first nudged poll, held open
+        poller.nudge()  # one more, queued behind it
+        _wait(lambda: poller._scheduler.get_job("nudged") is None)  # it started: it waits
+        for _ in range(10):
+            poller.nudge()
+        adapter.release.set()
+        _wait(lambda: poller.nudged_polls == 2)
+        poller.nudge()  # nudges still work
+        _wait(lambda: poller.nudged_polls == 3)
+    finally:
+        poller.stop()

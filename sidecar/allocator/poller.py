@@ -84,41 +84,48 @@ class AllocatorPoller:
 
     def _nudged(self) -> None:
         """The nudged poll: the interval counts from its start; a nudge from now on asks
-        for the next one."""
-        self._last_nudged = time.monotonic()
-        self._nudge_due = False
-        try:
-            self.poll()
-            self.nudged_polls += 1
-        except Exception:
-            log.exception("event-driven allocator poll failed (next nudge retries)")
+        for the next one. "Due" is cleared only once the poll lock is held: a nudge while
+        this one waits behind another poll collapses into it (its poll starts after that
+        nudge), so at most one more is ever queued and none is refused by the scheduler's
+        instance limit (a refused one would leave nudges "due" for good)."""
+        with self._lock:
+            self._last_nudged = time.monotonic()
+            self._nudge_due = False
+            try:
+                self._poll_locked()
+                self.nudged_polls += 1
+            except Exception:
+                log.exception("event-driven allocator poll failed (next nudge retries)")
 
     def poll(self) -> AllocatorState | None:
         """Ask the adapter for allocator state and, where it offers them, its block tables
         (each call time-limited); publish the state, check the allocator's invariants and
         the leak trend (:mod:`sidecar.allocator`). Polls are serialised."""
         with self._lock:
-            state = self._call("allocator", self.adapter.allocator)
-            # Garbage would be kept and then fail every scrape: refused and counted here.
-            if HI.reject_adapter_output(self.metrics, "allocator",
-                                        HI.check_allocator_state(state)):
-                state = None
-            if state is not None:
-                self.metrics.allocator.update(state)
-            tables: Sequence[BlockTableSnapshot] | None = None
-            started = time.perf_counter()
-            if self._introspection is not None:
-                tables = self._call("block_tables", self._introspection.block_tables)
-            try:
-                # requests_done read after the snapshot: the index is never earlier than
-                # the state it describes.
-                self.health.observe(state, tables, self._requests_done(),
-                                    time.perf_counter() - started, retake=self._retake)
-            except Exception:
-                log.exception("allocator health check failed (poll skipped)")
-            self.polls += 1
-            self.last_poll = time.time()
-            return state
+            return self._poll_locked()
+
+    def _poll_locked(self) -> AllocatorState | None:
+        state = self._call("allocator", self.adapter.allocator)
+        # Garbage would be kept and then fail every scrape: refused and counted here.
+        if HI.reject_adapter_output(self.metrics, "allocator",
+                                    HI.check_allocator_state(state)):
+            state = None
+        if state is not None:
+            self.metrics.allocator.update(state)
+        tables: Sequence[BlockTableSnapshot] | None = None
+        started = time.perf_counter()
+        if self._introspection is not None:
+            tables = self._call("block_tables", self._introspection.block_tables)
+        try:
+            # requests_done read after the snapshot: the index is never earlier than
+            # the state it describes.
+            self.health.observe(state, tables, self._requests_done(),
+                                time.perf_counter() - started, retake=self._retake)
+        except Exception:
+            log.exception("allocator health check failed (poll skipped)")
+        self.polls += 1
+        self.last_poll = time.time()
+        return state
 
     def _retake(self) -> Sequence[BlockTableSnapshot] | None:
         """A second snapshot, to confirm what the first one showed broken."""

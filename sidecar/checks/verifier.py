@@ -1,9 +1,8 @@
 """The verifier: runs the checks on one sampled hit, cheapest first, and returns a Verdict.
 
 Order (each stage only spends what the previous ones could not decide):
-  1. key consistency (generation, token digest, key fields) and, per cache group, coverage
-     (every group holds real, loaded state where it must: :mod:`sidecar.checks.coverage`)
-     — no adapter call at all;
+  1. identity (:mod:`sidecar.checks.identity`): key consistency and, per cache group,
+     coverage — no adapter call at all;
   2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
      legitimately reused before we got to them: dropped, not flagged;
   3. structure, content stats, write-time fingerprint — on the bytes just read;
@@ -35,16 +34,11 @@ import torch
 from sidecar.checks.base import Finding
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.content import check_content
-from sidecar.checks.coverage import check_coverage, tier_state_at
+from sidecar.checks.coverage import tier_state_at
 from sidecar.checks.fingerprint import fingerprint_check
-from sidecar.checks.hybrid import check_partial_zero, explain, misplaced
-from sidecar.checks.keys import (
-    StoreRecord,
-    check_keys,
-    generation_at_hit,
-    hit_digests,
-    token_ids_problem,
-)
+from sidecar.checks.hybrid import check_partial_zero, explain
+from sidecar.checks.identity import check_identity
+from sidecar.checks.keys import StoreRecord, generation_at_hit, token_ids_problem
 from sidecar.checks.recompute import block_error
 from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
@@ -170,31 +164,16 @@ class Verifier:
         hit, refs = sample.hit, sample.refs
         if not refs:
             return
-        bs = self.info.block_size
-        last = max(r.index for r in refs)
-        problem = token_ids_problem(hit, bs * (last + 1))
+        problem = token_ids_problem(hit, self.info.block_size * (max(r.index for r in refs) + 1))
         if problem is not None:  # never hashed, recomputed or recorded: a counted drop
             self.bad_tokens += 1
             if math.log10(self.bad_tokens).is_integer():
                 log.warning("sample dropped (bad_tokens, %d so far): %s", self.bad_tokens,
                             problem)
             return _drop(verdict, DropReason.BAD_TOKENS, len(refs))
-        digests = hit_digests(hit, bs, last)
-        condemned: set[BlockRef] = set()
-        for ref in refs:
-            record = sample.records.get(ref)
-            found = check_keys(hit, ref, record, bs, generation_at_hit(hit, ref), digests)
-            if found and record is not None:  # stored one block off / an earlier boundary
-                group = self._groups.get(ref.group_id)
-                found = [misplaced(group, ref, record.prefix_tokens, bs, f) for f in found]
-            if found:
-                condemned.add(ref)
-                verdict.findings.extend(found)
-        coverage = check_coverage(hit, self.info)
-        if coverage:  # a chosen block at a position the coverage check condemned
-            verdict.findings.extend(coverage)
-            at = {(f.group_id, f.block_index) for f in coverage}
-            condemned.update(r for r in refs if (r.group_id, r.index) in at)
+        findings, condemned = check_identity(hit, refs, sample.records, self.info,
+                                             self._groups)
+        verdict.findings.extend(findings)
 
         # What was served: the capture where there is one, else the block as read now.
         # A captured block is read too, to tell "changed after serving" apart.

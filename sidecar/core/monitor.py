@@ -68,13 +68,12 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-
 class Monitor(JournaledHooks):
-    """Implements :class:`sidecar.core.protocol.EventSink`; see the module docstring. The
-    collaborators are built and set by :func:`sidecar.core.compose.wire`."""
+    """Implements :class:`sidecar.core.protocol.EventSink` (module docstring); collaborators
+    are set by :func:`sidecar.core.compose.wire`; the hooks need only an EventJournal."""
 
     metrics: Metrics
-    journal: CacheEventJournal  # the hooks need only sidecar.core.journal_hooks.EventJournal
+    journal: CacheEventJournal
     stored: StoreIndex
     lifecycle: LifecycleLog
     cache: CacheView
@@ -131,8 +130,7 @@ class Monitor(JournaledHooks):
                 self._reject("on_lookup", HI.InputReject.TYPE)
                 return
             q, h = lookup.query_tokens, lookup.hit_tokens
-            # The counts checked in O(1) inline (sidecar.core.hook_input has the full rules and
-            # the reasons); the hit itself is checked only when it is sampled.
+            # O(1) count checks inline (hook_input: full rules, reasons); the hit when sampled.
             if (type(q) is not int or type(h) is not int or not 0 <= h <= q <= HI.MAX_TOKENS) \
                     and self._reject("on_lookup", HI.check_lookup(lookup)):
                 return
@@ -153,10 +151,9 @@ class Monitor(JournaledHooks):
 
     def on_captured(self, lookup: Lookup, blocks: Sequence[BlockKV],
                     writes: Mapping[BlockRef, BlockWrite] | None = None) -> Verdict | None:
-        """A hit sampled and captured elsewhere (an out-of-process probe copied ``blocks``
-        out of the engine at match time, ``writes``: what it recorded at their writes):
-        counted like ``on_lookup``, then verified through the same dispatch, with the
-        blocks as the capture. Returns the verdict in inline dispatch mode. Never raises."""
+        """A hit sampled and captured elsewhere (a probe copied ``blocks`` out at match time;
+        ``writes``: what it recorded at their writes): counted like ``on_lookup``, verified
+        through the same dispatch. Returns the verdict in inline dispatch mode. Never raises."""
         try:
             hit = lookup.hit if type(lookup) is Lookup else None
             if self._reject("on_captured", HI.check_lookup(lookup) or (
