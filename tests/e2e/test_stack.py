@@ -223,7 +223,10 @@ FEATURE_OFF_SIGNALS = (S.RECOVERY_DURATION, S.BREAKER_OPEN, S.BREAKER_PROBES, S.
                        *S.GUARD_SIGNALS,  # the cache-bypass guard: its own process
                        S.SCRUB_RECOMPUTE_RATE, S.SCRUB_BUDGET, S.SCRUB_PROGRESS,
                        S.SCRUB_COVERAGE,
-                       S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES)  # OTLP push: --otlp-endpoint
+                       S.OTLP_EXPORTS, S.OTLP_EXPORT_FAILURES,  # OTLP push: --otlp-endpoint
+                       # the vLLM probe's write-time fingerprints: a vLLM engine, not this one
+                       S.PROBE_BLOCKS_FINGERPRINTED, S.PROBE_FINGERPRINT_CHECKS,
+                       S.PROBE_FINGERPRINT_EVICTIONS)
 
 
 def _feature_off(line: str) -> bool:
