@@ -25,6 +25,7 @@ from sidecar.checks.calibration_profile import (
     save_profile,
 )
 from sidecar.checks.tolerance import DEFAULT_CALIBRATION_SAMPLES, min_tolerance
+from sidecar.cli.arg_types import positive_int
 
 MODELS = ("reference", "hybrid", "recurrent")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -42,10 +43,10 @@ def add_parser(sub: Any) -> None:
                    help="reference engine models to calibrate (default: reference)")
     c.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES),
                    help="KV dtypes to calibrate (default: all three)")
-    c.add_argument("--requests", type=_positive, default=200,
+    c.add_argument("--requests", type=positive_int, default=200,
                    help="requests of the clean chat workload per model and dtype "
                         "(default: 200)")
-    c.add_argument("--min-blocks", type=_positive, default=DEFAULT_CALIBRATION_SAMPLES,
+    c.add_argument("--min-blocks", type=positive_int, default=DEFAULT_CALIBRATION_SAMPLES,
                    help="refuse to write an entry measured over fewer clean blocks "
                         f"(default: {DEFAULT_CALIBRATION_SAMPLES})")
     c.add_argument("--multiple", type=float, default=3.0,
@@ -55,14 +56,6 @@ def add_parser(sub: Any) -> None:
                    help="write only the new entries (default: keep the file's other ones)")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def measure(model: str, dtype: str, requests: int, seed: int, multiple: float,

@@ -10,6 +10,7 @@ import math
 
 from sidecar.adapters.vllm.hashing import ALGOS
 from sidecar.checks import tolerance
+from sidecar.cli.arg_types import bounded
 
 
 def _interval(text: str) -> float:
@@ -22,14 +23,7 @@ def _interval(text: str) -> float:
     return value
 
 
-def _fingerprint_every(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
-    return value
+_fingerprint_every = bounded(int, 0)  # 0: off
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from sidecar.cli.arg_types import positive_int
+
 DTYPES = ("float32", "bfloat16", "float16")
 MODELS = ("reference", "hybrid", "recurrent")  # faults.MODEL_GROUP_KINDS (tested)
 KV_STORAGES = ("int8",)  # mirrors kvtestbed.engines.quant.KV_STORAGES (tested)
@@ -17,11 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", nargs="+", default=None, metavar="NAME",
                    help="faults to run (default: every fault in `kv-sidecar faults`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--requests", type=_positive, default=300,
+    p.add_argument("--requests", type=positive_int, default=300,
                    help="requests per fault run (default: 300)")
-    p.add_argument("--sample-every", type=_positive, default=2, metavar="N",
+    p.add_argument("--sample-every", type=positive_int, default=2, metavar="N",
                    help="verify 1 hit in N in the fault runs (default: 2)")
-    p.add_argument("--blocks-per-sample", type=_positive, default=None, metavar="N",
+    p.add_argument("--blocks-per-sample", type=positive_int, default=None, metavar="N",
                    help="blocks verified per sampled hit (default: all of them)")
     p.add_argument("--clean-samples", type=int, default=5000, metavar="N",
                    help="verified blocks per clean run, at least (default: 5000; 0: skip)")
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-seeds", type=int, default=10, metavar="N",
                    help="seeds per sampling-policy comparison (default: 10; 0: skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault and clean runs")
-    p.add_argument("--jobs", type=_positive, default=max(1, min(2, os.cpu_count() or 1)),
+    p.add_argument("--jobs", type=positive_int, default=max(1, min(2, os.cpu_count() or 1)),
                    help="worker processes (default: min(2, CPUs))")
     p.add_argument("--check", action="store_true",
                    help="exit 1 unless every fault is caught (recall 1.0, or an allocator "
@@ -50,14 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrated tolerance = X x noise floor (default: 4)")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
