@@ -7,10 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
 from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Result
-from kvtestbed.engines.model import TinyLlama
+from kvtestbed.engines.model import ModelConfig, TinyLlama
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
+from sidecar.config.settings import SidecarConfig
+from sidecar.core.monitor import Monitor
 from sidecar.core.protocol import Lookup, StoredBlock
 
 # Small enough to run in well under a second, large enough that the pool is reused (faults
@@ -71,3 +74,24 @@ def clean_small() -> tuple[ReferenceEngine, tuple[Result, ...]]:
     """The clean small run, shared by every test that compares against it (read-only)."""
     engine, results = run_small()
     return engine, tuple(results)
+
+
+def downcasting_run(profile: str | None) -> tuple[int, float]:
+    """A (re)started sidecar beside an engine that downcasts KV to fp8 from its first
+    request (bfloat16), calibrating from ``profile`` (None: in memory, from this engine):
+    (anomalous verdicts, tolerance at the end). The calibration-profile tests' restart."""
+    engine = ReferenceEngine(EngineConfig(
+        model=ModelConfig(dtype="bfloat16"), num_blocks=64, fault="storage-downcast",
+        fault_start_after=0, fault_probability=0.3, kv_digest=True))
+    cfg = SidecarConfig(sample_every=1, dispatch="inline", calibration_samples=16,
+                        calibration_profile=profile, allocator_every_s=0.0)
+    monitor = Monitor(ReferenceAdapter(engine), cfg)
+    engine.sink = monitor
+    monitor.start()
+    try:
+        drive(engine, ChatWorkload(WorkloadConfig(conversations=24,
+                                                  block_size=engine.block_size)),
+              max_requests=60)
+    finally:
+        monitor.stop()
+    return sum(monitor.summary()["anomalies"].values()), monitor.verifier.tolerance

@@ -10,12 +10,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from kvtestbed.adapters.paged_adapter import ReferenceAdapter
 from kvtestbed.calibrate_cli import measure
 from kvtestbed.demo import SHIPPED_PROFILE, DemoOptions, sidecar_config
-from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
-from kvtestbed.engines.model import ModelConfig
-from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar.checks.calibration import Calibration, CalibrationConfig
 from sidecar.checks.calibration_profile import (
@@ -31,7 +27,7 @@ from sidecar.checks.calibration_profile import (
 from sidecar.checks.tolerance import min_tolerance, tolerance_for
 from sidecar.cli.main import main
 from sidecar.config.settings import SidecarConfig
-from sidecar.core.monitor import Monitor
+from tests.reference_helpers import downcasting_run
 
 ENTRY = {"model": "tiny-llama", "dtype": "bfloat16", "reference": "independent",
          "floor": 0.0124, "tolerance": 0.0625, "blocks": 933, "multiple": 4.0,
@@ -168,33 +164,14 @@ def test_learning_without_a_profile_warns_once_per_reference(
 
 
 # ---------------------------------------------------------------------- restart
-def _broken_engine_run(profile: str | None) -> tuple[int, float]:
-    """A restarted sidecar beside an engine already downcasting KV to fp8 (bf16), from
-    its first request: (anomalous verdicts, tolerance at the end)."""
-    engine = ReferenceEngine(EngineConfig(
-        model=ModelConfig(dtype="bfloat16"), num_blocks=64, fault="storage-downcast",
-        fault_start_after=0, fault_probability=0.3, kv_digest=True))
-    cfg = SidecarConfig(sample_every=1, dispatch="inline", calibration_samples=16,
-                        calibration_profile=profile, allocator_every_s=0.0)
-    monitor = Monitor(ReferenceAdapter(engine), cfg)
-    engine.sink = monitor
-    monitor.start()
-    try:
-        drive(engine, ChatWorkload(WorkloadConfig(conversations=24,
-                                                  block_size=engine.block_size)),
-              max_requests=60)
-    finally:
-        monitor.stop()
-    flagged = sum(monitor.summary()["anomalies"].values())
-    return flagged, monitor.verifier.tolerance
 
 
 def test_restart_with_a_saved_profile_beside_a_broken_engine_keeps_catching() -> None:
-    flagged, tol = _broken_engine_run(str(SHIPPED_PROFILE))
+    flagged, tol = downcasting_run(str(SHIPPED_PROFILE))
     entry = load_profile(SHIPPED_PROFILE).find("tiny-llama", "bfloat16", None, "engine")
     assert entry is not None and tol <= entry.tolerance < 0.096  # under fp8's smallest error
     assert flagged > 0
-    blind, tol_blind = _broken_engine_run(None)  # what an in-memory calibration learns
+    blind, tol_blind = downcasting_run(None)  # what an in-memory calibration learns
     assert tol_blind > entry.tolerance and blind < flagged
 
 

@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pytest
 from kvtestbed.adapters.hybrid_adapter import make_adapter
-from kvtestbed.adapters.paged_adapter import ReferenceAdapter
-from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.engine import EngineConfig
 from kvtestbed.engines.hybrid_engine import build_engine
 from kvtestbed.engines.hybrid_model import model_config
-from kvtestbed.engines.model import ModelConfig
-from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
 from sidecar.checks.calibration_profile import Profile, ProfileEntry, load_profile, save_profile
 from sidecar.checks.tolerance import tolerance_for
 from sidecar.cli.main import main
 from sidecar.config.settings import SidecarConfig
 from sidecar.core.monitor import Monitor
+from tests.reference_helpers import downcasting_run
 
 WARNED = "no calibration profile"
 LOG = "sidecar.checks.calibration"
@@ -79,24 +77,6 @@ def test_the_matching_entry_is_applied_without_a_warning(
 
 
 # ---------------------------------------------------------------------- restart, broken engine
-def _broken_run(profile: str | None) -> tuple[int, float]:
-    """A (re)started sidecar beside an engine that downcasts KV to fp8 from its first
-    request (bfloat16): anomalous verdicts and the tolerance at the end."""
-    engine = ReferenceEngine(EngineConfig(
-        model=ModelConfig(dtype="bfloat16"), num_blocks=64, fault="storage-downcast",
-        fault_start_after=0, fault_probability=0.3, kv_digest=True))
-    cfg = SidecarConfig(sample_every=1, dispatch="inline", calibration_samples=16,
-                        calibration_profile=profile, allocator_every_s=0.0)
-    monitor = Monitor(ReferenceAdapter(engine), cfg)
-    engine.sink = monitor
-    monitor.start()
-    try:
-        drive(engine, ChatWorkload(WorkloadConfig(conversations=24,
-                                                  block_size=engine.block_size)),
-              max_requests=60)
-    finally:
-        monitor.stop()
-    return sum(monitor.summary()["anomalies"].values()), monitor.verifier.tolerance
 
 
 def test_restart_from_a_calibrated_profile_beside_a_broken_engine_keeps_its_tolerance(
@@ -110,9 +90,9 @@ def test_restart_from_a_calibrated_profile_beside_a_broken_engine_keeps_its_tole
     # Two restarts from the same file: each starts at the profile's tolerance, learns the
     # broken engine's fp8 error as its floor, and still never loosens past the profile.
     for _ in range(2):
-        flagged, tol = _broken_run(str(out))
+        flagged, tol = downcasting_run(str(out))
         assert tol <= entry.tolerance and flagged > 0
-    blind, tol_blind = _broken_run(None)  # in-memory learning from the broken engine
+    blind, tol_blind = downcasting_run(None)  # in-memory learning from the broken engine
     assert tol_blind > entry.tolerance and blind < flagged
 
 
@@ -123,8 +103,8 @@ def test_a_profile_of_another_dtype_does_not_cover_a_restart(tmp_path: Path,
     sidecar says so, and learns as if it had none."""
     path = _profile(tmp_path, dtype="float32", floor=1e-6, tolerance=1e-5)
     with caplog.at_level(logging.WARNING, logger=LOG):
-        _, tol = _broken_run(path)
-    _, tol_none = _broken_run(None)
+        _, tol = downcasting_run(path)
+    _, tol_none = downcasting_run(None)
     assert tol == tol_none > 0.08
     assert any("has no entry" in r.getMessage() and "bfloat16" in r.getMessage()
                for r in caplog.records)
