@@ -114,7 +114,7 @@ def test_a_nudge_while_one_waits_behind_a_poll_is_never_lost() -> None:
         poller.nudge()
         assert adapter.entered.wait(HANG_S)  # the first nudged poll, held open
         poller.nudge()  # one more, queued behind it
-        _wait(lambda: poller._scheduler.get_job("nudged") is None)  # it started: it waits
+        _wait(lambda: not poller._scheduler.get_jobs())  # it started: it waits on the lock
         for _ in range(10):
             poller.nudge()
         adapter.release.set()

@@ -140,3 +140,12 @@ def test_dev_zero_via_the_environment_exits_2_without_growing(tmp_path) -> None:
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "/dev/zero is not a regular file" in _one_error_line(proc.stderr)
+
+
+def test_a_nul_in_a_text_value_is_refused_by_config_check(tmp_path, capsys) -> None:
+    """An outside check: evidence_dir = "\\u0000x" passed `config check`, then the demo died
+    with a traceback (embedded null byte) creating the directory."""
+    path = _write(tmp_path, "nul.toml", b'[sidecar]\nevidence_dir = "\\u0000x"\n')
+    assert main(["config", "check", path]) == 2
+    assert "evidence_dir: must not contain a NUL character" in capsys.readouterr().err
+    assert main(["demo", "--config", path, "--requests", "1", "--port", "0", "--quiet"]) == 2

@@ -35,3 +35,12 @@ def test_a_clean_demo_stays_quiet_in_every_dtype(capsys: pytest.CaptureFixture[s
     assert s["verified"] > 0 and s["hits"] > 0
     assert s["anomalies"] == {} and s["anomaly_rate"] == 0.0
     assert s["invariant_violations"] == {} and not s["leak_suspected"]
+
+
+def test_a_run_that_verified_nothing_does_not_say_clean(capsys) -> None:
+    """An outside check: sampling so sparse that nothing is verified printed "clean" beside an
+    injected fault; it says the check never ran."""
+    assert main(["demo", "--fault", "zero-block", "--requests", "30", "--port", "0", "--quiet",
+                 "--sample-every", "100000000", "--set", "sidecar.burst_hits=0"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT CHECKED: no block was verified" in out and "clean:" not in out

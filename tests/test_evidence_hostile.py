@@ -277,6 +277,24 @@ def test_plot_of_a_normal_record_still_draws(tmp_path, capsys) -> None:
     assert (plot["layer"], plot["head"], plot["kv"], plot["token"]) == (1, 1, "V", 2)
 
 
+def test_plot_with_a_huge_finite_tolerance_still_draws(tmp_path, capsys) -> None:
+    """An outside check: tolerance 1e308 (finite, >= 0) overflowed the float32 clamp."""
+    d = _plot_record(tmp_path, _pair((2, 2, 4, 8)), 1e308)
+    assert main(["evidence", "show", "1", "--dir", str(d), "--json", "--plot",
+                 str(tmp_path / "p.png")]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"]["scale_top"] > 0
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 16), (2, 2, 4, 0)])
+def test_plot_of_an_empty_shape_is_exit_2_and_writes_nothing(tmp_path, capsys, shape) -> None:
+    d = _plot_record(tmp_path, _pair(shape))
+    assert main(["evidence", "show", "1", "--dir", str(d), "--plot",
+                 str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err  # an empty shape (or one no body fits): one line
+    assert "shape" in err and "Traceback" not in err
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_a_header_of_a_million_tensors_is_refused() -> None:
     header = {f"t{i}": _entry(shape=(0,), offsets=(0, 0)) for i in range(70_000)}
     with pytest.raises(SafetensorsError, match="tensors, over the limit"):

@@ -73,11 +73,12 @@ class AllocatorPoller:
         wait = self._last_nudged + (self.min_interval_s or 0.0) - time.monotonic()
         run_date = datetime.now(UTC) + timedelta(seconds=wait) if wait > 0 else None
         try:
-            # max_instances=2: a nudge during a nudged poll queues one more (it waits on the
-            # poll lock); misfire_grace_time=None: a late scheduler still runs it, or nudges
-            # would stay "due" for good.
-            self._scheduler.add_job(self._nudged, "date", run_date=run_date, id="nudged",
-                                    replace_existing=True, max_instances=2,
+            # A job of its own each time (no fixed id): the scheduler removes a one-shot job
+            # by id once it ran, so a fixed, replaced id had it remove the *next* nudge's job
+            # (lost: nudges "due" for good) or raise JobLookupError in its thread. At most
+            # one is queued anyway ("due" collapses nudges). misfire_grace_time=None: a late
+            # scheduler still runs it, or nudges would stay "due" for good.
+            self._scheduler.add_job(self._nudged, "date", run_date=run_date,
                                     misfire_grace_time=None)
         except Exception:  # the scheduler stopped under us: nothing to nudge
             log.debug("allocator poll nudge not scheduled", exc_info=True)

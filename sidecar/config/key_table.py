@@ -205,7 +205,10 @@ class FlagKey(Key):
         return None
 
     def problem(self, value: Any) -> str | None:
-        """What the limits table says of one parsed numeric value (``None``: fine)."""
+        """What the limits table says of one parsed numeric value (``None``: fine); text
+        must hold no NUL character (no path, name or URL does)."""
+        if isinstance(value, str) and "\x00" in value:
+            return "must not contain a NUL character"
         if isinstance(value, bool) or not isinstance(value, int | float):
             return None
         if isinstance(value, float) and not math.isfinite(value):
@@ -238,7 +241,10 @@ def _check(value: Any, hint: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for member in (a for a in args if a is not type(None)):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # an optional value: the member's own words
+            return _check(value, members[0])
+        for member in members:
             try:
                 return _check(value, member)
             except ValueError:
@@ -263,6 +269,8 @@ def _check(value: Any, hint: Any) -> Any:
         raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
     if isinstance(hint, type) and not isinstance(value, hint):
         raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
+    if isinstance(value, str) and "\x00" in value:  # no path, name or URL holds one
+        raise ValueError("must not contain a NUL character")
     return value
 
 

@@ -98,6 +98,8 @@ def _check_size(tensors: Mapping[str, torch.Tensor], group: int,
                 if len(shape) != 4:
                     raise NothingToPlot(f"block {b} {side} {part} has shape {shape}: "
                                         "expected (layers, heads, tokens, head_dim)")
+                if 0 in shape:
+                    raise NothingToPlot(f"block {b} {side} {part} has shape {shape}: empty")
         layers, heads, tokens, _ = tensors[f"g{group}.b{b}.cached.key"].shape
         if grid is not None and grid != (layers, heads, tokens):
             raise NothingToPlot(f"block {b} has {layers} layers x {heads} heads x {tokens} "
@@ -148,7 +150,8 @@ def render(heat: Heat, title: str, subtitle: str = "") -> tuple[bytes, dict[str,
     finite = heat.values[torch.isfinite(heat.values)]
     top = float(finite.max()) if finite.numel() else 1.0
     tol = heat.tolerance if heat.tolerance is not None and heat.tolerance > 0 else None
-    vmax = max(top, tol * 1.25 if tol else 0.0, 1e-30)
+    # never past the values' own range: a tolerance of 1e308 would overflow the clamp
+    vmax = min(max(top, tol * 1.25 if tol else 0.0, 1e-30), torch.finfo(heat.values.dtype).max)
     rows, cols = 2 * layers, heads * tokens
     width_in = min(max(3.0 + cols * 0.14, 6.0), 40.0)
     height_in = min(max(2.2 + rows * 0.22, 3.5), 40.0)

@@ -84,7 +84,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model} runs on the CPU only; --device "
                          f"{args.device} needs --model reference")
     from sidecar.checks.calibration_profile import ProfileError
+    from sidecar.export.server import load_token
 
+    try:  # /status behind a bearer token when one is set; an empty one is an error
+        opts.token = load_token()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         summary = run_demo(opts)
     except ProfileError as exc:
