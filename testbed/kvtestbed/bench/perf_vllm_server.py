@@ -8,6 +8,7 @@ subprocess, so the bench itself runs from any environment. Nothing here imports 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -187,19 +188,15 @@ def stop(servers: list[Server]) -> None:
     procs = [p for s in servers for p in s.procs]
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     deadline = time.monotonic() + 20
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(5)
     for s in servers:
         shutil.rmtree(s.rundir, ignore_errors=True)
