@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from kvtestbed.bench.perf_row import Row
+from kvtestbed.bench.perf_row import Row, format_table
+
+__all__ = ["format_table", "run", "add_arguments"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -327,13 +329,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _progress(msg: str, args: argparse.Namespace) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def format_table(rows: list[Row]) -> str:
-    out = ["| figure | sidecar | baseline | ratio | target | met | spread |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        met = "-" if r.met is None else ("yes" if r.met else "NO")
-        out.append(f"| {r.figure} | {r.sidecar:.4g} {r.unit} | {r.baseline:.4g} {r.unit} | "
-                   f"{r.ratio:.3g} | {r.target} | {met} | {r.spread} |")
-    return "\n".join(out)

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from kvtestbed.bench.perf_row import Row
+from kvtestbed.bench.perf_row import Row, format_table
 
 TARGETS = {1000: 0.99, 100: 0.97}  # issue 22: throughput by wall, on / off
 
@@ -161,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from kvtestbed.bench import perf_vllm_server as S
-    from kvtestbed.bench.perf import format_table
 
     try:
         py = S.find_vllm_python(args.vllm_python)
