@@ -91,7 +91,7 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
         warm = S.workload(10_000, max(64, requests // 4, burst + 64))
         for srv in servers:
             S.drive(srv.url, model, warm, concurrency, max_tokens)
-        after_warmup = {name: S.sidecar_status(srv) for name, srv in by_name.items()
+        after_warmup = {name: S.settled_status(srv) for name, srv in by_name.items()
                         if srv.sidecar_url}
         rounds: list[dict[str, Any]] = []
         for r in range(pairs):
@@ -104,7 +104,7 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
             rounds.append({"order": order, "runs": runs})
             _progress(f"bench perf --engine vllm: round {r + 1}/{pairs}: " + ", ".join(
                 f"{n} {runs[n]['tokens_per_s']:.0f} tok/s" for n, _ in configs))
-        status = {name: {"after_warmup": after_warmup[name], "end": S.sidecar_status(srv)}
+        status = {name: {"after_warmup": after_warmup[name], "end": S.settled_status(srv)}
                   for name, srv in by_name.items() if srv.sidecar_url}
     finally:
         S.stop(servers)

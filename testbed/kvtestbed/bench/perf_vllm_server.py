@@ -183,6 +183,20 @@ def sidecar_status(srv: Server) -> dict[str, Any] | None:
         return {"error": str(e)}
 
 
+def settled_status(srv: Server, timeout_s: float = 15.0) -> dict[str, Any] | None:
+    """:func:`sidecar_status` once its lookup count holds still for a second (the probe
+    ships its counts at least once a second; a loaded machine delays them)."""
+    last = sidecar_status(srv)
+    deadline = time.monotonic() + timeout_s
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = sidecar_status(srv)
+        if now is None or now.get("lookups") == last.get("lookups"):
+            return now
+        last = now
+    return last
+
+
 def stop(servers: list[Server]) -> None:
     """SIGTERM each process group this module started, SIGKILL what is left after 20 s."""
     procs = [p for s in servers for p in s.procs]
