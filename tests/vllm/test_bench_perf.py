@@ -37,7 +37,9 @@ def test_quick_json_structure() -> None:
     assert out["settings"]["sample_every"] == [100]
     rows = out["rows"]
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
-        "tokens/s by wall time", "request P50 latency", "request P99 latency"]
+        "tokens/s by wall time", "request P50 latency", "request P99 latency",
+        "CPU seconds of vLLM's processes per run, vs vLLM's off",
+        "CPU seconds of the sidecar's process per run, vs vLLM's off"]
     for r in rows:
         for key in ("sidecar", "baseline", "ratio"):
             assert math.isfinite(r[key]) and r[key] > 0, r
@@ -51,9 +53,10 @@ def test_quick_json_structure() -> None:
         for run in rd["runs"].values():
             assert run["requests"] == 200 and run["completion_tokens"] == 200 * 8
             assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
+            assert run["cpu_s"]["vllm"] > 0
     assert rd["order"] != raw["rounds"][0]["order"]  # rotated: interleaved
     ratios = raw["ratios"]["100"]
-    for key in ("tokens_per_s", "p50", "p99"):
+    for key in ("tokens_per_s", "p50", "p99", "vllm_cpu", "sidecar_cpu"):
         assert len(ratios[key]["pairs"]) == 2
         assert all(math.isfinite(x) and x > 0 for x in ratios[key]["pairs"])
     # The probe was on: the sidecar saw the timed rounds' lookups and verified samples.

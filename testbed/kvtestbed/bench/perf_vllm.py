@@ -20,7 +20,8 @@ from a cold prefix and then hits (8 prefixes of 2-6 blocks, fresh 12-token suffi
 completion tokens, ``--vllm-concurrency`` keep-alive clients). Each ratio is on / off of
 the same round (one **pair**); the table shows the median over pairs and its spread
 (min..max). Throughput is tokens (prompt + completion, vLLM's usage) per second of wall
-time from the first request sent to the last answer.
+time from the first request sent to the last answer; CPU seconds per run (from /proc, per
+process group: vLLM's API server, engine core and worker; the sidecar) say where it went.
 
 The tiny model makes the engine's step short, so a fixed per-step cost of the probe weighs
 more here than beside a real model; the numbers are an upper bound of that share.
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-sample-every", type=int, nargs="+", default=None, metavar="N",
                    help="with --engine vllm: the probe's 1-in-N settings to compare with off "
                         "(default: 1000 100 10; --quick: 100)")
+    p.add_argument("--vllm-events-only", action="store_true",
+                   help="with --engine vllm: also run KV events and the sidecar without the "
+                        "probe (which part costs what)")
     p.add_argument("--vllm-requests", type=int, default=None, metavar="N",
                    help="with --engine vllm: requests per timed run (default: 2000; "
                         "--quick: 200)")
@@ -70,13 +74,21 @@ def _progress(msg: str, quiet: bool = False) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def config_name(n: int) -> str:
+    return "events only" if n == 0 else f"on N={n}"
+
+
+def ratio_key(n: int) -> str:
+    return "events_only" if n == 0 else str(n)
+
+
 def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
             concurrency: int, reference: str, fingerprint_every: int | None = None,
             max_tokens: int = 8) -> dict[str, Any]:
     """Start every configuration, warm each up, run ``pairs`` rounds; the raw figures."""
     from kvtestbed.bench import perf_vllm_server as S
 
-    configs: list[tuple[str, int | None]] = [("off", None)] + [(f"on N={n}", n) for n in ns]
+    configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
     started = time.monotonic()
     servers = [S.start(py, model, name.replace(" ", "").replace("=", ""), n, reference,
                        fingerprint_every) for name, n in configs]
@@ -99,8 +111,11 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
             order = [configs[(r + k) % len(configs)][0] for k in range(len(configs))]
             runs = {}
             for name in order:
+                before = S.cpu_by_role(by_name[name])
                 runs[name] = S.drive(by_name[name].url, model, prompts, concurrency,
                                      max_tokens)
+                after = S.cpu_by_role(by_name[name])
+                runs[name]["cpu_s"] = {k: after[k] - before[k] for k in after}
             rounds.append({"order": order, "runs": runs})
             _progress(f"bench perf --engine vllm: round {r + 1}/{pairs}: " + ", ".join(
                 f"{n} {runs[n]['tokens_per_s']:.0f} tok/s" for n, _ in configs))
@@ -114,7 +129,12 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
         per = {k: [rd["runs"][name][m] / rd["runs"]["off"][m] for rd in rounds]
                for k, m in (("tokens_per_s", "tokens_per_s"), ("p50", "p50_s"),
                             ("p99", "p99_s"))}
-        out["ratios"][str(n)] = {k: {"pairs": v, **_summary(v)} for k, v in per.items()}
+        off_cpu = [rd["runs"]["off"]["cpu_s"]["vllm"] for rd in rounds]
+        per["vllm_cpu"] = [rd["runs"][name]["cpu_s"]["vllm"] / max(c, 1e-9)
+                           for rd, c in zip(rounds, off_cpu, strict=True)]
+        per["sidecar_cpu"] = [rd["runs"][name]["cpu_s"]["sidecar"] / max(c, 1e-9)
+                              for rd, c in zip(rounds, off_cpu, strict=True)]
+        out["ratios"][ratio_key(n or 0)] = {k: {"pairs": v, **_summary(v)} for k, v in per.items()}
     return out
 
 
@@ -137,19 +157,29 @@ def rows(res: dict[str, Any], ns: list[int]) -> list[Row]:
     def med(name: str, metric: str) -> float:
         return statistics.median(rd["runs"][name][metric] for rd in rounds)
 
+    def med_cpu(name: str, role: str) -> float:
+        return statistics.median(rd["runs"][name]["cpu_s"][role] for rd in rounds)
+
     for n in ns:
-        name, q = f"on N={n}", res["ratios"][str(n)]
+        name, q = config_name(n), res["ratios"][ratio_key(n)]
         target = TARGETS.get(n)
         t = q["tokens_per_s"]
-        out.append(Row(f"vLLM probe + events 1 in {n} vs off: tokens/s by wall time",
+        what = "KV events + sidecar, no probe," if n == 0 else f"probe + events 1 in {n}"
+        out.append(Row(f"vLLM {what} vs off: tokens/s by wall time",
                        med(name, "tokens_per_s"), med("off", "tokens_per_s"), "tok/s",
                        t["median"], f">= {target:g}" if target else "-",
                        t["median"] >= target if target else None, _spread(t)))
         for key, label in (("p50", "P50"), ("p99", "P99")):
             s = q[key]
-            out.append(Row(f"vLLM probe + events 1 in {n} vs off: request {label} latency",
+            out.append(Row(f"vLLM {what} vs off: request {label} latency",
                            med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
                            s["median"], "-", None, _spread(s)))
+        for key, role, label in (("vllm_cpu", "vllm", "vLLM's processes"),
+                                 ("sidecar_cpu", "sidecar", "the sidecar's process")):
+            s = q[key]
+            out.append(Row(f"vLLM {what} vs off: CPU seconds of {label} "
+                           "per run, vs vLLM's off", med_cpu(name, role), med_cpu("off", "vllm"),
+                           "CPU s", s["median"], "-", None, _spread(s)))
     return out
 
 
@@ -167,13 +197,15 @@ def run(args: argparse.Namespace) -> int:
     except (S.VllmMissing, OSError) as e:
         print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
         return 2
-    ns = args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10])
+    ns = list(args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10]))
     pairs = 2 if args.quick else args.repeats
     requests = args.vllm_requests or (200 if args.quick else 2000)
     if min(ns) < 1 or requests < 1 or args.vllm_concurrency < 1:
         print("kv-sidecar bench perf --engine vllm: N, requests and concurrency must be >= 1",
               file=sys.stderr)
         return 2
+    if args.vllm_events_only:
+        ns = [*ns, 0]
     from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     load_start = os.getloadavg()[0]

@@ -77,7 +77,7 @@ class Server:
     """One configuration's processes: vLLM, and with the probe on the sidecar beside it."""
 
     name: str
-    sample_every: int | None  # None: probe and events off
+    sample_every: int | None  # None: probe and events off; 0: events only
     url: str
     rundir: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -111,7 +111,8 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[b
 
 def start(py: str, model: str, name: str, sample_every: int | None,
           reference: str = "none", fingerprint_every: int | None = None) -> Server:
-    """Start one configuration (not waiting for it: :func:`wait_ready`)."""
+    """Start one configuration (not waiting for it: :func:`wait_ready`): ``sample_every``
+    None is vLLM alone, 0 KV events and the sidecar without the probe, N the probe too."""
     rundir = Path(tempfile.mkdtemp(prefix=f"kvs-perf-{name}-", dir="/tmp"))
     env = _env(py)
     srv = Server(name, sample_every, f"http://127.0.0.1:{free_port()}", rundir)
@@ -128,15 +129,19 @@ def start(py: str, model: str, name: str, sample_every: int | None,
             rundir / "sidecar.log", env))
         flags = subprocess.run(
             [py, "-m", "sidecar.adapters.vllm", "engine-args", "--probe", probe, "--events",
-             events, "--replay", replay, "--sample-every", str(sample_every),
+             events, "--replay", replay, "--sample-every", str(max(1, sample_every)),
              *([] if fingerprint_every is None
                else ["--fingerprint-every", str(fingerprint_every)])],
             env=env, capture_output=True, text=True, check=True, timeout=120).stdout
         import shlex
 
         extra = shlex.split(flags)
-        kv = json.loads(extra[extra.index("--kv-transfer-config") + 1])
+        at = extra.index("--kv-transfer-config")
+        kv = json.loads(extra[at + 1])
         srv.burst_hits = int(kv["kv_connector_extra_config"].get("burst_hits", 0))
+        if sample_every == 0:  # events only: the probe (a KV connector) not loaded
+            del extra[at:at + 2]
+            srv.burst_hits = 0
     port = srv.url.rsplit(":", 1)[1]
     srv.procs.append(_spawn(
         [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", DTYPE,
@@ -172,6 +177,27 @@ def wait_ready(servers: list[Server], timeout_s: float) -> None:
                                f"{pending[0].log_tail()}")
         if pending:
             time.sleep(0.5)
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes in process group ``pgid`` (each
+    started process leads its own: vLLM's API server with its engine core and worker)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime stime
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def cpu_by_role(srv: Server) -> dict[str, float]:
+    """CPU seconds so far of this configuration's vLLM and (when on) sidecar processes."""
+    roles = ["sidecar", "vllm"] if srv.sidecar_url else ["vllm"]
+    return {role: group_cpu_s(p.pid) for role, p in zip(roles, srv.procs, strict=True)}
 
 
 def sidecar_status(srv: Server) -> dict[str, Any] | None:
