@@ -79,9 +79,9 @@ def _complete(guard: BypassGuard, prompt: list[int]) -> dict[str, Any]:
 
 
 def _guard_post(guard: BypassGuard, path: str, body: Any = None,
-                token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
+                token: str | None = TOKEN, scheme: str = "Bearer") -> tuple[int, dict[str, Any]]:
     data = json.dumps(body).encode() if body is not None else b""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Authorization": f"{scheme} {token}"} if token else {}
     req = urllib.request.Request(guard.url + path, data, headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -162,6 +162,11 @@ def test_operator_and_webhook_need_the_token_and_a_page_for_this_instance_opens_
                                        instance="me:9400") as guard:
         assert _guard_post(guard, "/guard/open", token=None)[0] == 401
         assert _guard_post(guard, "/guard/open", token="wrong")[0] == 401
+        # the metrics server's one check (RFC 6750: the scheme is case-insensitive; an outside
+        # check found lowercase "bearer" refused here alone)
+        assert _guard_post(guard, "/guard/open", token=TOKEN, scheme="Basic")[0] == 401
+        assert _guard_post(guard, "/guard/open", token=f"{TOKEN} x")[0] == 401
+        assert _guard_post(guard, "/guard/close", token=TOKEN, scheme="bearer")[0] == 200
         assert _guard_post(guard, "/guard/alertmanager", page, token=None)[0] == 401
         assert guard.breaker.state is State.CLOSED
         other = {"alerts": [{**page["alerts"][0], "labels": {

@@ -33,7 +33,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -55,6 +55,25 @@ TOKEN_ENV = "KVSIDECAR_TOKEN"
 TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 MAX_TOKEN_CHARS = 1024
 PROTECTED = frozenset({"/status"})
+
+
+def bearer_authorized(headers: Sequence[str], token: str) -> bool:
+    """Exactly one ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC 6750)
+    with the token compared in constant time; a bare token, another scheme, two headers,
+    trailing junk or whitespace other than SP/HTAB around it are refused. Every kv-sidecar
+    server (the metrics server, the guard's /guard/*) checks its token here."""
+    if len(headers) != 1:
+        return False
+    # Only SP and HTAB are whitespace around a field value (RFC 9110 5.5): str.strip()
+    # would also take a form feed or a latin-1 NBSP off a wrong token.
+    scheme, _, given = headers[0].strip(" \t").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    try:
+        given_bytes = given.strip(" ").encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(given_bytes, token.encode())
 
 
 def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV,
@@ -232,23 +251,8 @@ class SidecarServer:
         self.httpd.server_close()
 
     def authorized(self, headers: list[str]) -> bool:
-        """Exactly one ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC
-        6750) with the token compared in constant time; a bare token, another scheme, two
-        headers, trailing junk or whitespace other than SP/HTAB around it are refused."""
-        if self.token is None:
-            return True
-        if len(headers) != 1:
-            return False
-        # Only SP and HTAB are whitespace around a field value (RFC 9110 5.5): str.strip()
-        # would also take a form feed or a latin-1 NBSP off a wrong token.
-        scheme, _, given = headers[0].strip(" \t").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        try:
-            given_bytes = given.strip(" ").encode("ascii")
-        except UnicodeEncodeError:
-            return False
-        return hmac.compare_digest(given_bytes, self.token.encode())
+        """:func:`bearer_authorized` against this server's token (``None``: open)."""
+        return self.token is None or bearer_authorized(headers, self.token)
 
     def _health(self) -> tuple[int, bytes]:
         if self.health is None:

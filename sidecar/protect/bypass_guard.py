@@ -26,7 +26,6 @@ server rules, :func:`sidecar.export.server.load_token`); ``GET /guard/status`` s
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import logging
@@ -38,6 +37,7 @@ from typing import Any
 
 from sidecar import signals as S
 from sidecar.export.metrics import Metrics
+from sidecar.export.server import bearer_authorized
 from sidecar.protect.breaker import BreakerSettings, BypassBreaker, Route, Source, State
 from sidecar.protect.forward import (
     ForwardApp,
@@ -127,8 +127,8 @@ class GuardApp(ForwardApp):
             return self._decide(request)
         g = self.guard
         if g.cfg.token is not None:
-            given = (request.header("Authorization") or "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), g.cfg.token.encode()):
+            given = [v for k, v in request.headers if k.lower() == "authorization"]
+            if not bearer_authorized(given, g.cfg.token):
                 return Reply(401, b"unauthorized\n",
                              headers=[("WWW-Authenticate", 'Bearer realm="kv-sidecar"')])
         if request.route == "/guard/status" and request.method == "GET":
