@@ -10,8 +10,10 @@ Why each bound exists (a proxy in the request path must never be the thing that 
   no extra thread.
 * **A deadline for the whole request** (``request_deadline_s``), not per byte: a client
   that sends one byte every few seconds gets a 408 at the deadline.
-* **Bounded memory.** At most ``max_connections`` connections are held (more get a 503 at
-  once); a request head is at most ``max_header_bytes`` (431); a body over
+* **Bounded memory.** At most ``max_connections`` connections are held: a new one takes
+  the slot of the request that has been arriving longest (408 to it, ``evicted_incomplete``),
+  and only when every held request is complete does it get a 503 at once; a request head
+  is at most ``max_header_bytes`` (431); a body over
   ``max_body_bytes`` gets a 413 before a byte of it is read; a negative, malformed or
   repeated ``Content-Length`` is a 400; all bodies held at once share
   ``buffer_budget_bytes`` (503 when spent). After a large body the heap is trimmed so that
@@ -92,8 +94,8 @@ class ForwardServer(Reception, Relay):
         self.app = app or ForwardApp()
         self.name = name
         self.stats: dict[str, int] = {"accepted": 0, "forwarded": 0, "answered_locally": 0,
-                                      "rejected_busy": 0, "upstream_errors": 0,
-                                      "client_errors": 0}
+                                      "rejected_busy": 0, "evicted_incomplete": 0,
+                                      "upstream_errors": 0, "client_errors": 0}
         self.rejected: dict[int, int] = {}  # status -> count, for answers the proxy gave
         self._lock = threading.Lock()
         self._budget = self.limits.buffer_budget_bytes

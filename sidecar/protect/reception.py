@@ -2,7 +2,8 @@
 selector until it is complete, under the bounds of
 :class:`~sidecar.protect.http_messages.ForwardLimits` (head size, body cap, deadline, shared
 buffer budget), and hands complete requests to the forwarding workers
-(:mod:`sidecar.protect.forward`). A slow client costs a buffer, not a thread."""
+(:mod:`sidecar.protect.forward`). A slow client costs a buffer, not a thread, and gives its
+connection up to a new one when every connection is held (oldest incomplete first)."""
 
 from __future__ import annotations
 
@@ -113,11 +114,16 @@ class Reception:
             sock.setblocking(False)
             with contextlib.suppress(OSError):  # the head and the body go as they are written
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = self._held >= self.limits.max_connections
-                if not full:
-                    self._held += 1
-                    self.stats["accepted"] += 1
+            full = self._take_slot()
+            if full and pending:
+                # Full while requests are still arriving: the one that has been arriving
+                # longest gives its slot up (slow-loris clients would otherwise hold every
+                # slot while real clients, whose requests arrive at once, get 503s).
+                oldest = min(pending.values(), key=lambda c: c.deadline)
+                self._count("evicted_incomplete")
+                self._refuse(sel, pending, oldest, 408, "the request was still incomplete "
+                             "when the proxy needed its connection")
+                full = self._take_slot()
             if full:
                 self._count("rejected_busy", 503)
                 with contextlib.suppress(OSError):
@@ -135,6 +141,15 @@ class Reception:
             if fd in pending:
                 sel.register(sock, selectors.EVENT_READ, c)
                 c.watched = True
+
+    def _take_slot(self) -> bool:
+        """Take a connection slot; True when all ``max_connections`` are held."""
+        with self._lock:
+            if self._held >= self.limits.max_connections:
+                return True
+            self._held += 1
+            self.stats["accepted"] += 1
+            return False
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Incoming],
               c: _Incoming) -> None:
