@@ -56,7 +56,12 @@ class Server:
             sock.send(json.dumps({"op": op, **args}).encode())
             deadline = time.monotonic() + timeout_s
             while True:  # a match on the scheduler's thread applies it, once it has arrived
-                self.generate([5, 6])
+                try:
+                    self.generate([5, 6])
+                except OSError:  # a fault SGLang exits on (a premature free) can take the
+                    if sock.poll(5000):  # request's connection down with it: applied
+                        break
+                    raise
                 if sock.poll(200):
                     break
                 if time.monotonic() > deadline:
