@@ -18,9 +18,9 @@ are reported beside them (``cpu_ms_per_request``), and are what to compare acros
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kvtestbed.bench.proc_cost import process_cpu_s, run_clients
 
 TARGET_THROUGHPUT = 0.98
 STAND_IN_SERVICE_S = 0.02
@@ -126,29 +128,10 @@ def _load(port: int, concurrency: int, per_client: int,
         with lock:
             latencies.extend(mine)
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients([functools.partial(client, c) for c in range(concurrency)])
     if errors:
         raise RuntimeError(f"{len(errors)} failed requests, e.g. {errors[0]}")
     return len(latencies) / wall, latencies
-
-
-def cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) process ``pid`` has used, 0 when unknown: what the guard
-    costs per request whatever else the machine runs (its wall-clock figures are not)."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -174,11 +157,11 @@ def measure(upstream_port: int, guard_port: int, concurrency: int, per_client: i
         order = ("direct", "guard") if r % 2 == 0 else ("guard", "direct")
         pair = {}
         for path in order:
-            before = cpu_s(guard_pid), cpu_s(upstream_pid)
+            before = process_cpu_s(guard_pid), process_cpu_s(upstream_pid)
             rate, lat = _load(upstream_port if path == "direct" else guard_port,
                               concurrency, per_client, model)
-            cpu["guard", path] += cpu_s(guard_pid) - before[0]
-            cpu["upstream", path] += cpu_s(upstream_pid) - before[1]
+            cpu["guard", path] += process_cpu_s(guard_pid) - before[0]
+            cpu["upstream", path] += process_cpu_s(upstream_pid) - before[1]
             pair[path] = rate
             rates[path].append(rate)
             lats[path].extend(lat)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtestbed.bench.proc_cost import group_cpu_s, run_clients
+
 BLOCK = 32
 DTYPE = "float32"
 VLLM_PY = Path(".venv-vllm") / "bin" / "python"
@@ -179,21 +181,6 @@ def wait_ready(servers: list[Server], timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) of the live processes in process group ``pgid`` (each
-    started process leads its own: vLLM's API server with its engine core and worker)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime stime
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
 def cpu_by_role(srv: Server) -> dict[str, float]:
     """CPU seconds so far of this configuration's vLLM and (when on) sidecar processes."""
     roles = ["sidecar", "vllm"] if srv.sidecar_url else ["vllm"]
@@ -293,13 +280,7 @@ def drive(url: str, model: str, prompts: list[list[int]], concurrency: int,
                 tokens["completion"] += int(usage.get("completion_tokens", 0))
         conn.close()
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients([client] * concurrency)
     if errors:
         raise RuntimeError(f"{url}: {errors[0]}")
     lat = sorted(latencies)
