@@ -207,8 +207,8 @@ class FlagKey(Key):
     def problem(self, value: Any) -> str | None:
         """What the limits table says of one parsed numeric value (``None``: fine); text
         must hold no NUL character (no path, name or URL does)."""
-        if isinstance(value, str) and "\x00" in value:
-            return "must not contain a NUL character"
+        if isinstance(value, str):
+            return text_problem(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             return None
         if isinstance(value, float) and not math.isfinite(value):
@@ -269,9 +269,16 @@ def _check(value: Any, hint: Any) -> Any:
         raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
     if isinstance(hint, type) and not isinstance(value, hint):
         raise ValueError(f"expected {type_name(hint)}, got {type_name(value)} {short(value)}")
-    if isinstance(value, str) and "\x00" in value:  # no path, name or URL holds one
-        raise ValueError("must not contain a NUL character")
+    problem = text_problem(value) if isinstance(value, str) else None
+    if problem:
+        raise ValueError(problem)
     return value
+
+
+def text_problem(text: str) -> str | None:
+    """What is wrong with a text value whatever its key (``None``: fine): no path, name or
+    URL holds a NUL character, and the OS refuses one with a traceback far from the key."""
+    return "must not contain a NUL character" if "\x00" in text else None
 
 
 def _from_text(text: str, hint: Any) -> Any:
