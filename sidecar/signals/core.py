@@ -29,6 +29,12 @@ ANOMALIES = _s("anomalies_total", C,
 SAMPLES_DROPPED = _s("samples_dropped_total", C,
                      "Samples not verified, by reason (queue_full, budget, adapter_error, ...).",
                      ("reason",))
+PROBE_LOST = _s("probe_lost_total", C,
+                "What an in-engine probe or tap could not deliver because its pipe to the "
+                "sidecar stayed full, by what (lookups: beyond the probe's bounded carry, "
+                "missing from lookups_total and the hit rate; messages: other messages, "
+                "e.g. fingerprint counts or SGLang frees). Dropped captures count in "
+                "samples_dropped_total{reason=\"queue_full\"}.", ("what",))
 ADAPTER_ERRORS = _s("adapter_errors_total", C,
                     "Adapter calls that raised or ran past their time limit.", ("op", "reason"))
 HOOK_ERRORS = _s("hook_errors_total", C,
@@ -79,7 +85,7 @@ THRESHOLD = _s("threshold", G,
 
 BASE_SIGNALS: tuple[Signal, ...] = (
     LOOKUPS, HITS, QUERY_TOKENS, HIT_TOKENS, SAMPLED, VERIFIED, ANOMALIES, SAMPLES_DROPPED,
-    ADAPTER_ERRORS, HOOK_ERRORS, ALLOCATIONS, ALLOCATION_FAILURES, USAGE_RATIO,
+    PROBE_LOST, ADAPTER_ERRORS, HOOK_ERRORS, ALLOCATIONS, ALLOCATION_FAILURES, USAGE_RATIO,
     FRAGMENTATION_RATIO, INTERNAL_FRAGMENTATION_RATIO, BLOCKS, REQUEST_LATENCY,
     VERIFY_DURATION, LAST_VERIFICATION, BUILD_INFO, INVARIANT_VIOLATIONS, LEAK_SUSPECTED,
     LEAK_SUSPECTED_FLAG, INVARIANT_CHECKS, INVARIANT_CHECK_DURATION, THRESHOLD,

@@ -2,9 +2,22 @@
 
 The engine must never wait for the sidecar: messages are sent with ``NOBLOCK`` onto a socket
 whose send high-water mark bounds memory; when it is full (sidecar slow or absent) the
-message is dropped and counted, and the count rides on every later message so the sidecar
-can account for what it missed. Until the sidecar connects, up to ``hwm`` messages wait for
-it, so a sidecar started after the engine still gets the probe's hello.
+message is dropped. Until the sidecar connects, up to ``hwm`` messages wait for it, so a
+sidecar started after the engine still gets the probe's hello.
+
+What a drop loses is accounted by what it carried, because the sidecar reports each apart:
+
+* a **capture** is a sampled hit: counted in ``dropped`` (samples not verified), and its
+  lookup is kept for the next ``lookups`` message: the hit still counts in the hit rate;
+* **lookups** are never dropped while the pipe recovers: a failed send keeps them (up to
+  :data:`~sidecar.adapters.vllm.wire.MAX_LOOKUPS`, a bounded carry) and they ride with the
+  next message; only what the carry cannot hold is lost, counted in ``lost_lookups``;
+* any **other** message (fingerprint counts, SGLang's frees and stores) counts in
+  ``lost_messages``.
+
+The three counts are cumulative and ride on every message, so the sidecar learns of a loss
+from the next message that gets through (:class:`~sidecar.adapters.vllm.receiver.ProbeReceiver`
+clamps what a peer may claim).
 """
 
 from __future__ import annotations
@@ -15,34 +28,83 @@ from typing import Any
 
 import zmq
 
-from sidecar.adapters.vllm.wire import pack
+from sidecar.adapters.vllm.wire import MAX_LOOKUPS, pack
 
 log = logging.getLogger(__name__)
 
 
 class Pipe:
-    def __init__(self, endpoint: str, hwm: int = 64) -> None:
+    def __init__(self, endpoint: str, hwm: int = 64,
+                 carry_limit: int = MAX_LOOKUPS) -> None:
         self.endpoint = endpoint
-        self.dropped = 0
+        self.dropped = 0  # captures (sampled hits) that could not be sent
+        self.lost_lookups = 0  # lookups the carry could not hold
+        self.lost_messages = 0  # other messages that could not be sent
         self.src = uuid.uuid4().hex[:12]
+        self._carry: list[list[int]] = []  # lookups waiting for the pipe to drain
+        self._carry_limit = carry_limit
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
 
+    @property
+    def carried(self) -> int:
+        """Lookups held for the next message (the pipe was full when they were sent)."""
+        return len(self._carry)
+
     def send_message(self, kind: str, **fields: Any) -> bool:
-        """Pack and send one message; False (and counted) when it had to be dropped."""
-        return self.send(pack(kind, self.src, self.dropped, **fields))
+        """Pack and send one message; False when it had to be dropped (accounted by kind:
+        see the module docstring)."""
+        if kind == "lookups":
+            return self._send_lookups(list(fields.get("items", ())))
+        if self._carry:
+            self._send_lookups([])  # what waits goes first: the order the engine saw
+        if self._send(kind, fields):
+            return True
+        if kind == "capture":
+            self.dropped += 1
+            q, h = fields.get("query_tokens"), fields.get("hit_tokens")
+            if isinstance(q, int) and isinstance(h, int):
+                self._hold([[q, h]])
+        else:
+            self.lost_messages += 1
+        return False
 
     def send(self, data: bytes) -> bool:
+        """Send bytes already packed (tests); a failure counts as a lost message."""
+        if self._raw_send(data):
+            return True
+        self.lost_messages += 1
+        return False
+
+    def _send_lookups(self, items: list[list[int]]) -> bool:
+        batch = self._carry + items if self._carry else items
+        self._carry = []
+        for at in range(0, max(len(batch), 1), MAX_LOOKUPS):  # the receiver's per-message cap
+            chunk = batch[at:at + MAX_LOOKUPS]
+            if chunk and not self._send("lookups", {"items": chunk}):
+                self._hold(batch[at:])
+                return False
+        return True
+
+    def _hold(self, items: list[list[int]]) -> None:
+        room = self._carry_limit - len(self._carry)
+        self._carry.extend(items[:max(room, 0)])
+        self.lost_lookups += max(len(items) - max(room, 0), 0)
+
+    def _send(self, kind: str, fields: dict[str, Any]) -> bool:
+        return self._raw_send(pack(kind, self.src, self.dropped,
+                                   lost_lookups=self.lost_lookups,
+                                   lost_messages=self.lost_messages, **fields))
+
+    def _raw_send(self, data: bytes) -> bool:
         try:
             self._sock.send(data, zmq.NOBLOCK)
             return True
         except zmq.Again:
-            self.dropped += 1
             return False
         except zmq.ZMQError as exc:
-            self.dropped += 1
             log.warning("kv-sidecar probe: send to %s failed: %s", self.endpoint, exc)
             return False
 

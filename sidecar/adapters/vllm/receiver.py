@@ -9,7 +9,7 @@ pool census over the same pipe); an unknown kind is a bad message.
 
 The socket is an ingest surface, so it is locked down: only ``ipc://`` paths (created 0600,
 owner only, and only under :data:`IPC_DIRS` unless told otherwise) or ``tcp://127.0.0.1``
-are accepted. What a peer claims is clamped: the ``dropped`` count of a pipe may only grow
+are accepted. What a peer claims is clamped: each loss count of a pipe may only grow
 by :data:`MAX_DROP_STEP` per message, all pipes together by a :class:`DropBudget` (a token
 bucket: :data:`DROP_BURST`, refilled at :data:`DROP_RATE_PER_S`), at most
 :data:`MAX_SOURCES` pipes are tracked, and lookups per message are capped, so neither one
@@ -30,7 +30,7 @@ import zmq
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.endpoints import IPC_DIRS, check_endpoint
-from sidecar.adapters.vllm.wire import Capture, WireError, decode_capture, unpack
+from sidecar.adapters.vllm.wire import MAX_LOOKUPS, Capture, WireError, decode_capture, unpack
 from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason
 
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
 MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
-MAX_LOOKUPS = 65_536  # lookups in one message (one engine step)
 # Drops all pipes together may report: far above what a probe can really drop (a message per
 # engine step, a few thousand steps a second), far below what a liar would claim.
 DROP_RATE_PER_S = 10_000
@@ -95,7 +94,7 @@ class ProbeReceiver:
         self.bad_messages = 0
         self.last_message_at = time.monotonic()
         self._ctx = context or zmq.Context.instance()
-        self._dropped: dict[str, int] = {}
+        self._dropped: dict[str, dict[str, int]] = {}  # src -> loss -> total
         self.drop_budget = DropBudget()
         self.drops_refused = 0  # claimed drops over the budget: not counted as samples
         self._refusals = 0
@@ -200,28 +199,42 @@ class ProbeReceiver:
         self.on_capture(cap)
 
     def _account_drops(self, msg: dict[str, Any]) -> None:
-        src, dropped = msg.get("src", ""), msg.get("dropped", 0)
-        if not isinstance(src, str) or len(src) > 64 or type(dropped) is not int or dropped < 0:
-            raise WireError("src or dropped is malformed")
-        before = self._dropped.get(src)
-        if before is None:
+        """Each cumulative loss a pipe reports, counted once as what it was: dropped
+        captures as dropped samples, lost lookups and other lost messages apart."""
+        src = msg.get("src", "")
+        claims = {f: msg.get(f, 0) for f in _LOSSES}
+        if not isinstance(src, str) or len(src) > 64 or \
+                not all(type(v) is int and v >= 0 for v in claims.values()):
+            raise WireError("src or a loss count (dropped, lost_*) is malformed")
+        known = self._dropped.get(src)
+        if known is None:
             if len(self._dropped) >= MAX_SOURCES:
                 return  # unknown extra pipe: its claims are not counted
-            before = 0
-        if dropped > before:
-            claimed = dropped - before
+            known = self._dropped[src] = dict.fromkeys(_LOSSES, 0)
+        for name, claimed_total in claims.items():
+            before = known[name]
+            if claimed_total <= before:
+                continue
+            claimed = claimed_total - before
             step = self.drop_budget.take(min(claimed, MAX_DROP_STEP))
             if step:
-                self.metrics.inc(S.SAMPLES_DROPPED, step, reason=DropReason.QUEUE_FULL.value)
+                signal, labels = _LOSSES[name]
+                self.metrics.inc(signal, step, **labels)
             if step < claimed:  # the excess is a lie or a burst no probe can produce
                 self.drops_refused += claimed - step
                 self._refusals += 1
                 if self._refusals & (self._refusals - 1) == 0:  # 1st, 2nd, 4th, ...: no flood
-                    log.warning("probe pipe %r claims %d drops; %d counted (over the budget)",
-                                src[:64], claimed, step)
-            self._dropped[src] = dropped  # the claim is the new baseline: never re-counted
-        else:
-            self._dropped[src] = before
+                    log.warning("probe pipe %r claims %d %s; %d counted (over the budget)",
+                                src[:64], claimed, name, step)
+            known[name] = claimed_total  # the claim is the new baseline: never re-counted
+
+
+# The cumulative loss counts on every probe message (pipe.py): what each is counted as.
+_LOSSES: dict[str, tuple[S.Signal, dict[str, str]]] = {
+    "dropped": (S.SAMPLES_DROPPED, {"reason": DropReason.QUEUE_FULL.value}),
+    "lost_lookups": (S.PROBE_LOST, {"what": "lookups"}),
+    "lost_messages": (S.PROBE_LOST, {"what": "messages"}),
+}
 
 
 def _lookups(items: Any) -> list[tuple[int, int]]:

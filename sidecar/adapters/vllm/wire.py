@@ -22,8 +22,10 @@ protocol's version) and ``kind``:
 * ``fingerprints``: counts since the last one, ``blocks: [[group, write path, n], ...]``
   fingerprinted at write and ``evictions`` from the probe's bounded table.
 
-Every message also carries ``src`` (which pipe sent it) and ``dropped`` (how many messages
-that pipe has dropped so far), so the sidecar can count what was lost on the way.
+Every message also carries ``src`` (which pipe sent it) and that pipe's cumulative losses:
+``dropped`` (captures, i.e. sampled hits, it could not send), ``lost_lookups`` and
+``lost_messages`` (:mod:`.pipe` says what each covers), so the sidecar can count what was
+lost on the way, each as what it was.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ ALLOWED_DTYPES: dict[str, torch.dtype] = {
 MAX_MESSAGE_BYTES = 256 * 2**20  # one capture of a few blocks is a few MB at most
 MAX_DIMS = 8
 MAX_ITEMS = 1_000_000  # lookups per message, tokens per capture, blocks per group
+MAX_LOOKUPS = 65_536  # lookups in one message (one engine step, or a pipe's carry)
 MAX_DIGEST = 128  # characters of a write-time digest ("xxh3_128:" + 32 hex digits)
 MAX_COUNT_STEP = 1 << 24  # blocks one fingerprints message may report (a probe's second)
 WRITE_PATHS = frozenset(p.value for p in WritePath)
@@ -63,7 +66,8 @@ class WireError(ValueError):
 
 def pack(kind: str, src: str = "", dropped: int = 0, **fields: Any) -> bytes:
     """``src`` names the sending pipe (each probe half has its own); ``dropped`` is how many
-    messages that pipe has dropped so far."""
+    captures (sampled hits) that pipe has dropped so far; ``fields`` may add its other
+    cumulative losses, ``lost_lookups`` and ``lost_messages`` (:mod:`.pipe`)."""
     return bytes(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "src": src,
                                 "dropped": dropped, **fields}, use_bin_type=True))
 
