@@ -140,6 +140,8 @@ def init_series(m: Metrics, info: EngineInfo, verifier: Verifier) -> None:
         m.inc(S.SAMPLES_DROPPED, 0, reason=reason.value)
     for hook in HOOKS:
         m.inc(S.HOOK_ERRORS, 0, hook=hook)
+    for what in S.ProbeLoss:
+        m.inc(S.PROBE_LOST, 0, what=what.value)
     for op, reasons in S.ADAPTER_ERROR_REASONS.items():
         for why in reasons:
             m.inc(S.ADAPTER_ERRORS, 0, op=op, reason=why.value)

@@ -58,6 +58,13 @@ class InvariantKind(enum.StrEnum):
     HIT_COUNTER_MISMATCH = "hit_counter_mismatch"
 
 
+class ProbeLoss(enum.StrEnum):
+    """The value of the ``what`` label of :data:`PROBE_LOST` (an in-engine probe's pipe)."""
+
+    LOOKUPS = "lookups"  # beyond the probe's bounded carry: missing from the hit rate
+    MESSAGES = "messages"  # any other message (fingerprint counts, SGLang frees)
+
+
 class DropReason(enum.StrEnum):
     """The value of the ``reason`` label of :data:`SAMPLES_DROPPED`."""
 

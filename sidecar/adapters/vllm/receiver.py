@@ -232,8 +232,8 @@ class ProbeReceiver:
 # The cumulative loss counts on every probe message (pipe.py): what each is counted as.
 _LOSSES: dict[str, tuple[S.Signal, dict[str, str]]] = {
     "dropped": (S.SAMPLES_DROPPED, {"reason": DropReason.QUEUE_FULL.value}),
-    "lost_lookups": (S.PROBE_LOST, {"what": "lookups"}),
-    "lost_messages": (S.PROBE_LOST, {"what": "messages"}),
+    "lost_lookups": (S.PROBE_LOST, {"what": S.ProbeLoss.LOOKUPS.value}),
+    "lost_messages": (S.PROBE_LOST, {"what": S.ProbeLoss.MESSAGES.value}),
 }
 
 
