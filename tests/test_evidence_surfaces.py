@@ -1,6 +1,6 @@
 """Issue 21, found again from outside: ``evidence list`` said ``KV yes`` for a tensor file
-that ``evidence show`` refuses (a FIFO, a link), and ``show`` held the tensor file about
-three times in memory."""
+that ``evidence show`` refuses (a FIFO, a link), ``show`` held the tensor file about three
+times in memory, and ``--plot ""`` was silently no plot."""
 
 from __future__ import annotations
 
@@ -107,3 +107,16 @@ def test_a_bytearray_is_viewed_and_bytes_are_copied() -> None:
     shared[:] = bytes(len(shared))  # the views see the buffer change: no copy was made
     assert viewed["a"].eq(0).all() and not viewed["b"].any()
     assert torch.equal(copied["a"], tensors["a"])
+
+
+@pytest.mark.parametrize("path, says", [("", "expected a file path"),
+                                        ("a\x00b.png", "NUL character")])
+def test_a_plot_path_that_cannot_be_one_is_refused_while_parsing(tmp_path, capsys, path,
+                                                                 says) -> None:
+    d = tmp_path / "evidence"
+    _write(d)
+    with pytest.raises(SystemExit) as exc:
+        main(["evidence", "show", "1", "--dir", str(d), "--plot", path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --plot: " in err and says in err, err

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from sidecar.config.key_table import text_problem
 from sidecar.core.extras import MissingExtra, require
 from sidecar.evidence.read import (
     RecordUnreadable,
@@ -54,9 +55,21 @@ def add_parser(sub: Any) -> None:
         a.add_argument("--json", action="store_true", help="print JSON")
         if name == "show":
             a.add_argument("id", metavar="ID", help="record number (as `evidence list` shows)")
-            a.add_argument("--plot", default=None, metavar="OUT.PNG",
+            a.add_argument("--plot", type=plot_path, default=None, metavar="OUT.PNG",
                            help="write |cached - recomputed| per layer x head x token as a "
                                 "PNG heatmap, with the tolerance marked")
+
+
+def plot_path(text: str) -> str:
+    """``--plot``'s type: a path to write, refused while parsing when it cannot be one (an
+    empty path was no plot at all, silently)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path to write the PNG to, got an "
+                                         "empty string")
+    problem = text_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def run_evidence(args: argparse.Namespace) -> int:
@@ -75,7 +88,7 @@ def run_evidence(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"record": rec, "tensors": {
         k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         for k, t in (tensors or {}).items()}}
-    if args.plot:
+    if args.plot is not None:
         out["plot"] = write_plot(rec, tensors, args.plot)
     if args.json:
         print(json.dumps(out, indent=1, default=str))
