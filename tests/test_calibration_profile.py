@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,31 @@ def test_calibrate_measures_a_clean_engine_and_refuses_too_few_blocks(tmp_path: 
     assert entry.tolerance == min_tolerance("float32")
     with pytest.raises(ValueError, match="clean blocks"):
         measure("reference", "float32", 2, 0, 4.0, 10_000)
+
+
+def test_special_files_are_refused_before_a_byte_is_read(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """An outside check: ``--calibration-profile /dev/zero`` was read up to the 1 MiB cap
+    and a FIFO blocked the start for ever; the profile is now read by the config file's
+    reader (sidecar/config/toml_file.py read_small_file), which refuses them at once."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, says in [("/dev/zero", "/dev/zero is not a regular file"),
+                       (str(fifo), "fifo is not a regular file"),
+                       (str(tmp_path), "is a directory, not a file")]:
+        got: list[str] = []
+
+        def load(p: str = path, out: list[str] = got) -> None:
+            try:
+                load_profile(p)
+            except ProfileError as exc:
+                out.append(str(exc))
+
+        t = threading.Thread(target=load, daemon=True)  # a FIFO's open blocked for ever
+        t.start()
+        t.join(60)
+        assert got and says in got[0], (path, got)
+    assert main(["demo", "--requests", "1", "--port", "0", "--quiet",
+                 "--calibration-profile", "/dev/zero"]) == 2
+    assert "calibration profile /dev/zero is not a regular file" in capsys.readouterr().err

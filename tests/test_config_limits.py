@@ -149,3 +149,39 @@ def test_a_nul_in_a_text_value_is_refused_by_config_check(tmp_path, capsys) -> N
     assert main(["config", "check", path]) == 2
     assert "evidence_dir: must not contain a NUL character" in capsys.readouterr().err
     assert main(["demo", "--config", path, "--requests", "1", "--port", "0", "--quiet"]) == 2
+
+
+@pytest.mark.parametrize("toml, flags, says", [
+    ('token_range = "500:3"', ["--token-range", "500:3"],
+     "must be LO:HI with 0 <= LO < HI, got '500:3'"),
+    ('token_range = "a:b"', ["--token-range", "a:b"], "must be LO:HI with 0 <= LO < HI"),
+    ("min_rate = 5.0\nmax_rate = 2.0", ["--min-rate", "5", "--max-rate", "2"],
+     "min_rate must not exceed max_rate, got 5 > 2"),
+    ("fraction = 0.0", ["--fraction", "0"], "must be > 0 and <= 1, got 0"),
+    ("max_rate = 0.0", ["--max-rate", "0"], "must be > 0 and <= 1e+06, got 0"),
+])
+def test_config_check_refuses_what_the_canary_refuses(tmp_path, capsys, toml, flags,
+                                                      says) -> None:
+    """An outside check: ``[canary] token_range = "500:3"`` passed `config check`, then
+    `kv-sidecar canary` refused it. The canary's rules (the flag's type, the limits table,
+    its one rule across keys) are what config check, the file, the env and flags apply."""
+    path = _write(tmp_path, "canary.toml", f"[canary]\n{toml}\n".encode())
+    assert main(["config", "check", path]) == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+    endpoint = ["canary", "--endpoint", "http://127.0.0.1:1/v1", "--pairs", "1"]
+    assert main([*endpoint, "--config", path]) == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+    try:
+        rc = main([*endpoint, *flags])
+    except SystemExit as exc:  # argparse: the flag's type refused it
+        rc = exc.code
+    assert rc == 2 and says in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_canary_rule_names_the_key_set_outside_its_default(tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_CANARY_MAX_RATE", "0.01")  # under the default min_rate
+    assert main(["config", "show"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("kv-sidecar: error: canary.max_rate: min_rate must not exceed "
+                           "max_rate, got 0.05 > 0.01 (KVSIDECAR_CANARY_MAX_RATE)"), line

@@ -223,9 +223,15 @@ def test_cli_errors_are_exit_2(tmp_path, capsys) -> None:
     assert main(["evidence", "show", "1", "--dir", str(tmp_path), "--plot",
                  str(tmp_path / "p.png")]) == 2
     assert "before the recompute" in capsys.readouterr().err
-    (tmp_path / "anomaly-00000001.safetensors").write_bytes(b"tampered")
+    tensors = tmp_path / "anomaly-00000001.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 1  # the size the record states, another SHA-256
+    tensors.write_bytes(bytes(data))
     assert main(["evidence", "show", "1", "--dir", str(tmp_path)]) == 2
     assert "SHA-256" in capsys.readouterr().err
+    tensors.write_bytes(b"tampered")
+    assert main(["evidence", "show", "1", "--dir", str(tmp_path)]) == 2
+    assert "is 8 bytes, the record states" in capsys.readouterr().err
 
 
 def test_reference_engine_fault_evidence_plots_its_worst_cell(tmp_path, capsys) -> None:

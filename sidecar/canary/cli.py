@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sidecar.canary.endpoint import CanaryError, parse_endpoint
@@ -51,8 +52,9 @@ def add_parser(sub: Any) -> None:
                    help="paired probes to run, then exit (0: run until stopped)")
     c.add_argument("--max-tokens", type=_positive, default=4, help="tokens per answer")
     c.add_argument("--logprobs", type=_positive, default=5, help="top-k logprobs compared")
-    c.add_argument("--token-range", default="3:500", metavar="LO:HI",
-                   help="token ids random prompts are drawn from (default 3:500)")
+    c.add_argument("--token-range", type=token_range, default="3:500", metavar="LO:HI",
+                   help="token ids random prompts are drawn from, 0 <= LO < HI "
+                        "(default 3:500)")
     c.add_argument("--calibration", type=_positive, default=8,
                    help="clean pairs that set the noise floor")
     c.add_argument("--fraction", type=float, default=0.01,
@@ -98,26 +100,51 @@ def _nonneg(text: str) -> int:
     return v
 
 
-def _token_range(text: str) -> tuple[int, int]:
+def parse_token_range(text: str) -> tuple[int, int]:
+    """``LO:HI`` with ``0 <= LO < HI``; else ``argparse.ArgumentTypeError``."""
     try:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:
-        raise CanaryError(f"bad --token-range {text!r}: expected LO:HI") from None
+        lo, hi = -1, -1
     if not 0 <= lo < hi:
-        raise CanaryError(f"bad --token-range {text!r}: need 0 <= LO < HI")
+        raise argparse.ArgumentTypeError(f"must be LO:HI with 0 <= LO < HI, got "
+                                         f"{text[:40]!r}{'...' if len(text) > 40 else ''}")
     return lo, hi
 
 
+def token_range(text: str) -> str:
+    """``--token-range``'s type: the text, once :func:`parse_token_range` accepts it. As the
+    flag's type it is also what ``config check``, ``KVSIDECAR_CANARY_TOKEN_RANGE`` and
+    ``--set canary.token_range`` are checked by (sidecar/config/key_table.py FlagKey)."""
+    parse_token_range(text)
+    return text
+
+
+def settings_problem(values: Mapping[str, Any]) -> str | None:
+    """What the canary refuses across its settings (flag dests -> values) that no one flag's
+    type or limit can see; ``None``: fine. The one rule: ``config check`` and ``configure``
+    apply it to the ``[canary]`` section (sidecar/config/schema.py ``Command.check``), and
+    :func:`config_from_args` to its flags."""
+    low, high = values["min_rate"], values["max_rate"]
+    if low > high:
+        return f"min_rate must not exceed max_rate, got {low:g} > {high:g}"
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> CanaryConfig:
+    """The run's settings; each flag was checked by its type and by the one table of limits
+    (``canary.*`` in sidecar/config/settings.py LIMITS: rates and fraction > 0) when
+    ``configure`` filled ``args``."""
     from sidecar.canary.load import RateLimit
     from sidecar.canary.runner import CanaryConfig
 
-    lo, hi = _token_range(args.token_range)
-    for name in ("fraction", "min_rate", "max_rate", "timeout"):
-        if getattr(args, name) <= 0:
-            raise CanaryError(f"--{name.replace('_', '-')} must be > 0")
-    if args.min_rate > args.max_rate:
-        raise CanaryError("--min-rate must not exceed --max-rate")
+    try:
+        lo, hi = parse_token_range(args.token_range)
+    except argparse.ArgumentTypeError as exc:
+        raise CanaryError(f"--token-range: {exc}") from None
+    problem = settings_problem(vars(args))
+    if problem:
+        raise CanaryError(problem)
     return CanaryConfig(
         dtype=args.dtype, block_size=args.block_size, mode=args.mode, pairs=args.pairs,
         max_tokens=args.max_tokens, logprobs=args.logprobs, token_low=lo, token_high=hi,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.checks.tolerance import REFERENCE_KINDS, STORAGE_TOLERANCES, TOLERANCES
+from sidecar.config.toml_file import FileMissing, FileProblem, read_small_file
 from sidecar.core.protocol import WritePath
 
 PROFILE_FORMAT = "kv-sidecar-calibration/1"
@@ -179,16 +180,14 @@ def _entry(item: Any, where: str) -> ProfileEntry:
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and check a profile file; :class:`ProfileError` names what is wrong."""
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            data = f.read(MAX_PROFILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ProfileError(f"calibration profile {p}: no such file (write one with "
+    try:  # a device, FIFO or directory is refused before a byte is read
+        data = read_small_file(path, "calibration profile", MAX_PROFILE_BYTES)
+    except FileMissing:
+        raise ProfileError(f"calibration profile {path}: no such file (write one with "
                            "`kv-sidecar calibrate`)") from None
-    except OSError as exc:
-        raise ProfileError(f"calibration profile {p}: {exc.strerror or exc}") from None
-    return parse_profile(data, str(p))
+    except FileProblem as exc:
+        raise ProfileError(str(exc)) from None
+    return parse_profile(data, str(path))
 
 
 def save_profile(path: str | os.PathLike[str], profile: Profile) -> None:

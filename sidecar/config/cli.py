@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar.checks.tolerance import override_problems
@@ -21,6 +21,7 @@ from sidecar.config.key_table import SIDECAR
 from sidecar.config.layers import CONFIG_ENV, ConfigError, Layers, Schema, Value, load
 from sidecar.config.schema import (
     COMMANDS,
+    Command,
     build_schema,
     command_defaults,
     flag_actions,
@@ -111,6 +112,9 @@ def configure(section: str, subcommand: str, parser: argparse.ArgumentParser,
             env_name = f" or {key.env}" if key else ""
             problems.append(f"--{dest.replace('_', '-')} is required (or {section}.{dest} "
                             f"in the config file{env_name})")
+    if not problems:  # the rule across keys, on values each valid alone
+        problems = rule_problems(command, {v.key.name: v for v in effective.values()
+                                           if v.key.section == section})
     if problems:
         raise ConfigError(problems)
     overrides = {}
@@ -144,14 +148,10 @@ def sidecar_problems(schema: Schema, layers: Layers) -> list[str]:
     """What :meth:`SidecarConfig.validate` refuses in the merged ``[sidecar]`` values (the
     checks across a value's parts: tolerance keys, the calibration)."""
     keys = schema.sections[SIDECAR].values()
-    values = {k.name: layers.value(k, k.default) for k in keys}
-    problem = _invalid({n: v.value for n, v in values.items()})
+    problem, culprits = _culprits({k.name: layers.value(k, k.default) for k in keys},
+                                  _invalid)
     if problem is None:
         return []
-    # Name the keys: those whose own value, put back to its default, makes it valid.
-    culprits = [v for n, v in values.items() if v.source != "default"
-                and _invalid({m: (w.key.default if m == n else w.value)
-                              for m, w in values.items()}) is None]
     if not culprits:
         return [f"[{SIDECAR}] {problem}"]
     out = []
@@ -159,6 +159,43 @@ def sidecar_problems(schema: Schema, layers: Layers) -> list[str]:
         each = override_problems(v.value) if v.key.name == "tolerances" else []
         out += [f"{v.key.path}: {p} ({v.origin or v.source})" for p in each or [problem]]
     return out
+
+
+def command_problems(schema: Schema, layers: Layers) -> list[str]:
+    """What each command's rule across its keys (``Command.check``) refuses in its
+    section's merged values: the rule the command itself applies when it runs."""
+    out = []
+    for command in COMMANDS.values():
+        keys = schema.sections.get(command.section)
+        if keys is not None:
+            out += rule_problems(command, {n: layers.value(k, k.default)
+                                           for n, k in keys.items()})
+    return out
+
+
+def rule_problems(command: Command, values: Mapping[str, Value]) -> list[str]:
+    """``command.check`` of ``values`` (key name -> value), each problem naming the keys
+    that cause it."""
+    if command.check is None:
+        return []
+    problem, culprits = _culprits(values, command.check)
+    if problem is None:
+        return []
+    if not culprits:
+        return [f"[{command.section}] {problem}"]
+    return [f"{v.key.path}: {problem} ({v.origin or v.source})" for v in culprits]
+
+
+def _culprits(values: Mapping[str, Value], invalid: Callable[[dict[str, Any]], str | None]
+              ) -> tuple[str | None, list[Value]]:
+    """Why ``values`` are refused (``None``: they are not), and the keys to name: those set
+    by a layer whose value, put back to its default, makes them valid."""
+    problem = invalid({n: v.value for n, v in values.items()})
+    if problem is None:
+        return None, []
+    return problem, [v for n, v in values.items() if v.source != "default"
+                     and invalid({m: (w.key.default if m == n else w.value)
+                                  for m, w in values.items()}) is None]
 
 
 def _invalid(values: dict[str, Any]) -> str | None:
@@ -209,7 +246,8 @@ def run_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
 def _check(path: str) -> int:
     schema = build_schema()
     layers = load(schema, path, env={}, strict=False)  # the file alone, every problem
-    problems = layers.problems + sidecar_problems(schema, layers)
+    problems = (layers.problems + sidecar_problems(schema, layers)
+                + command_problems(schema, layers))
     if problems:
         raise ConfigError(problems)
     per_section: dict[str, int] = {}
@@ -227,7 +265,7 @@ def _check(path: str) -> int:
 def _show(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     schema = build_schema()
     layers = load(schema, args.config, env, args.set)
-    problems = sidecar_problems(schema, layers)
+    problems = sidecar_problems(schema, layers) + command_problems(schema, layers)
     if problems:
         raise ConfigError(problems)
     defaults = command_defaults(COMMANDS[args.for_command]) if args.for_command else {}

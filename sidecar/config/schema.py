@@ -54,6 +54,12 @@ def _canary_parser() -> argparse.ArgumentParser:
     return _commands(add_parser)
 
 
+def _canary_check(values: Mapping[str, Any]) -> str | None:
+    from sidecar.canary.cli import settings_problem
+
+    return settings_problem(values)
+
+
 def _guard_parser() -> argparse.ArgumentParser:
     from sidecar.protect.cli import add_parser
 
@@ -75,6 +81,9 @@ class Command:
     parser: Callable[[], argparse.ArgumentParser]
     subcommands: tuple[str, ...]
     sidecar_flags: Mapping[str, str]  # flag dest -> SidecarConfig field
+    # The command's rule across its keys (key -> value; a problem or None), which no one
+    # flag's type sees: config check and configure apply the command's own function.
+    check: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 _TOLERANCE_FLAGS = {"tolerance": "tolerances", "calibrate": "calibration_samples",
@@ -88,7 +97,7 @@ COMMANDS: dict[str, Command] = {
                     {"blocks_per_sample": "blocks_per_sample", "sample_every": "sample_every",
                      "seed": "seed", "adapter_timeout": "adapter_timeout_s",
                      "recompute_budget": "recompute_tokens_per_s", **_TOLERANCE_FLAGS}),
-    "canary": Command("canary", _canary_parser, ("canary",), {}),
+    "canary": Command("canary", _canary_parser, ("canary",), {}, check=_canary_check),
     "guard": Command("guard", _guard_parser, ("guard",), {}),  # sidecar/protect/cli.py
 }
 

@@ -227,9 +227,11 @@ LIMITS: dict[str, Limit] = {
     "canary.max_tokens": Limit(low=1, high=4096),
     "canary.logprobs": Limit(low=1, high=1000),
     "canary.calibration": Limit(low=1, high=10**6),
-    "canary.fraction": Limit(low=0, high=1),
-    "canary.min_rate": Limit(low=0, high=1e6),
-    "canary.max_rate": Limit(low=0, high=1e6),
+    # the canary refuses 0 (no probe would ever be sent); min_rate <= max_rate is its
+    # cross-key rule (sidecar/canary/cli.py settings_problem)
+    "canary.fraction": Limit(low=0, low_open=True, high=1),
+    "canary.min_rate": Limit(low=0, low_open=True, high=1e6),
+    "canary.max_rate": Limit(low=0, low_open=True, high=1e6),
     "canary.timeout": Limit(low=0, low_open=True, high=DAY_S),
     "canary.seed": SEED,
     "canary.port": PORT,

@@ -1,4 +1,5 @@
-"""Reading a small file the operator points at (a TOML config, a bearer-token file) without
+"""Reading a small file the operator points at (a TOML config, a bearer-token file, a
+calibration profile) without
 trusting it: only a regular file (``/dev/zero`` or a FIFO would hang or grow the read for
 ever), at most a size cap, UTF-8, and for TOML no input that makes ``tomllib`` recurse past
 the interpreter's limit or go quadratic (a key of 20,000 dotted parts takes > 30 s).
@@ -25,15 +26,31 @@ class FileProblem(ValueError):
     """A file that cannot be used; ``str()`` is one line naming the file."""
 
 
+class FileMissing(FileProblem):
+    """The path names nothing (a caller may say how to make the file)."""
+
+
 def read_small_text(path: str | os.PathLike[str], what: str, max_bytes: int) -> str:
     """The text of ``path``, a regular UTF-8 file of at most ``max_bytes``; else
     :class:`FileProblem` (``what`` names it in the message: "config file")."""
+    data = read_small_file(path, what, max_bytes)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileProblem(f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                          f"at offset {exc.start})") from None
+
+
+def read_small_file(path: str | os.PathLike[str], what: str, max_bytes: int) -> bytes:
+    """The bytes of ``path``, a regular file (a link to one is fine: an operator's path) of
+    at most ``max_bytes``; else :class:`FileProblem`, before reading a byte of a device,
+    FIFO, socket or directory."""
     name = str(path)
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat decides below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
-        raise FileProblem(f"{what} {name} does not exist") from None
+        raise FileMissing(f"{what} {name} does not exist") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise FileProblem(f"{what} {name}: {_why(exc)}") from None
     try:
@@ -61,11 +78,7 @@ def read_small_text(path: str | os.PathLike[str], what: str, max_bytes: int) -> 
         os.close(fd)
     if len(data) > max_bytes:
         raise FileProblem(f"{what} {name} grew past {max_bytes} bytes while read")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FileProblem(f"{what} {name} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
-                          f"at offset {exc.start})") from None
+    return data
 
 
 def parse_toml(text: str, where: str) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import math
 import os
@@ -21,9 +20,17 @@ from typing import Any
 
 import torch
 
+from sidecar.config.key_table import text_problem
 from sidecar.core.extras import MissingExtra, require
-from sidecar.evidence.files import MAX_TENSOR_FILE_BYTES, read_regular
-from sidecar.evidence.read import RecordUnreadable, Unreadable, read_record, scan_records
+from sidecar.evidence.read import (
+    RecordUnreadable,
+    TensorsUnreadable,
+    Unreadable,
+    read_record,
+    read_tensors,
+    scan_records,
+    tensors_state,
+)
 from sidecar.evidence.record import record_name, tensors_name
 from sidecar.evidence.safetensors_io import SafetensorsError, loads
 
@@ -48,9 +55,21 @@ def add_parser(sub: Any) -> None:
         a.add_argument("--json", action="store_true", help="print JSON")
         if name == "show":
             a.add_argument("id", metavar="ID", help="record number (as `evidence list` shows)")
-            a.add_argument("--plot", default=None, metavar="OUT.PNG",
+            a.add_argument("--plot", type=plot_path, default=None, metavar="OUT.PNG",
                            help="write |cached - recomputed| per layer x head x token as a "
                                 "PNG heatmap, with the tolerance marked")
+
+
+def plot_path(text: str) -> str:
+    """``--plot``'s type: a path to write, refused while parsing when it cannot be one (an
+    empty path was no plot at all, silently)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path to write the PNG to, got an "
+                                         "empty string")
+    problem = text_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def run_evidence(args: argparse.Namespace) -> int:
@@ -58,17 +77,18 @@ def run_evidence(args: argparse.Namespace) -> int:
     if args.evidence_command == "list":
         records, unreadable = scan_records(directory)
         if args.json:
-            rows = [summary_line(r) for r in records] + [u.as_dict() for u in unreadable]
+            rows = [summary_line(r, directory) for r in records] + [u.as_dict() for u in
+                                                                    unreadable]
             print(json.dumps(sorted(rows, key=lambda r: r["id"]), indent=1))
         else:
-            print(format_list(records, unreadable))
+            print(format_list(records, unreadable, directory))
         return 0
     seq = _parse_id(args.id)
     rec, tensors = load_record(directory, seq)
     out: dict[str, Any] = {"record": rec, "tensors": {
         k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         for k, t in (tensors or {}).items()}}
-    if args.plot:
+    if args.plot is not None:
         out["plot"] = write_plot(rec, tensors, args.plot)
     if args.json:
         print(json.dumps(out, indent=1, default=str))
@@ -105,32 +125,23 @@ def load_record(directory: Path, seq: int) -> tuple[dict[str, Any],
         raise EvidenceError(f"no evidence record {seq} in {directory} ({span})") from None
     except RecordUnreadable as exc:
         raise EvidenceError(f"{path}: not a readable record: {exc}") from None
-    spec = rec.get("tensors")
-    if not isinstance(spec, dict) or "file" not in spec:
+    try:
+        data = read_tensors(directory, rec)
+    except TensorsUnreadable as exc:
+        raise EvidenceError(f"record {seq}: {exc}") from None
+    if data is None:
         return rec, None
-    tpath = directory / tensors_name(seq)
-    want = int(spec["bytes"])
-    if want > MAX_TENSOR_FILE_BYTES:
-        raise EvidenceError(f"record {seq} states a {want}-byte tensor file, over the "
-                            f"{MAX_TENSOR_FILE_BYTES}-byte limit `evidence show` opens")
     try:
-        data = read_regular(tpath, want)
-    except OSError as exc:
-        raise EvidenceError(f"record {seq} names {tpath.name}, which cannot be read: "
-                            f"{exc.strerror or exc}") from None
-    if len(data) != want or hashlib.sha256(data).hexdigest() != spec.get("sha256"):
-        raise EvidenceError(f"{tpath.name} is not the file record {seq} wrote "
-                            "(size or SHA-256 differs)")
-    try:
-        tensors, _ = loads(data)
+        tensors, _ = loads(data)  # views of data: the file is in memory once
     except SafetensorsError as exc:
-        raise EvidenceError(f"{tpath.name}: {exc}") from None
+        raise EvidenceError(f"{tensors_name(seq)}: {exc}") from None
     return rec, tensors
 
 
-def summary_line(rec: dict[str, Any]) -> dict[str, Any]:
+def summary_line(rec: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """One record as ``evidence list`` shows it; its tensors by the rule ``show`` reads
+    them by (:func:`sidecar.evidence.read.tensors_state`)."""
     errors = rec.get("errors") or {}
-    tensors = rec.get("tensors") or {}
     blocks = [b for b in rec.get("blocks") or [] if isinstance(b, dict)]
     return {
         "id": rec["seq"],
@@ -144,22 +155,20 @@ def summary_line(rec: dict[str, Any]) -> dict[str, Any]:
         "blocks": [b.get("block_id") for b in blocks if b.get("condemned", True)],
         "max_error": errors.get("max_error"),
         "tolerance": errors.get("tolerance"),
-        "tensors": "yes" if "file" in tensors else ("skipped" if "skipped" in tensors
-                                                    else "no"),
+        "tensors": tensors_state(directory, rec),
     }
 
 
-def format_list(records: list[dict[str, Any]],
-                unreadable: list[Unreadable] | None = None) -> str:
+def format_list(records: list[dict[str, Any]], unreadable: list[Unreadable],
+                directory: Path) -> str:
     """The table of records; unreadable ones as a line each with the reason, in order."""
-    unreadable = unreadable or []
     if not records and not unreadable:
         return "no evidence records"
     lines = [f"{'ID':>6}  {'TIME (UTC)':<19}  {'ENGINE':<10}  {'CHECKS':<24}  "
              f"{'GROUPS':<7}  {'BLOCKS':<14}  {'MAX ERR':>9}  {'TOL':>9}  KV"]
     rows = [(u.seq, f"{u.seq:>6}  unreadable: {u.name}: {u.reason}") for u in unreadable]
     for rec in records:
-        s = summary_line(rec)
+        s = summary_line(rec, directory)
         when = (dt.datetime.fromtimestamp(s["time"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
                 if isinstance(s["time"], (int, float)) else "?")
         rows.append((s["id"], f"{s['id']:>6}  {when:<19}  {str(s['engine'])[:10]:<10}  "

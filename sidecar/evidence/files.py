@@ -93,10 +93,11 @@ def write_exclusive(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of ``path`` if it is a regular file (not a link, FIFO, device or
-    directory) of at most ``limit`` bytes; :class:`NotARecordFile` otherwise, and the
-    ordinary ``OSError`` (e.g. ``FileNotFoundError``) when it cannot be opened."""
+def open_regular(path: Path, limit: int) -> tuple[int, int]:
+    """A descriptor open on ``path`` and its size, if it is a regular file (not a link,
+    FIFO, device or directory) of at most ``limit`` bytes; :class:`NotARecordFile`
+    otherwise, and the ordinary ``OSError`` (e.g. ``FileNotFoundError``) when it cannot be
+    opened. The caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -111,6 +112,17 @@ def read_regular(path: Path, limit: int) -> bytes:
         if st.st_size > limit:
             raise NotARecordFile(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte "
                                               "limit for this kind of file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if :func:`open_regular` takes it (and it does not grow past
+    ``limit`` while read)."""
+    fd, _ = open_regular(path, limit)
+    try:
         chunks: list[bytes] = []
         got = 0
         while got <= limit:
@@ -124,6 +136,22 @@ def read_regular(path: Path, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_exact(fd: int, size: int) -> bytearray:
+    """Exactly ``size`` bytes from ``fd`` into one buffer, the only copy (no chunks joined):
+    :class:`NotARecordFile` when the file ends sooner or holds more."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = os.readv(fd, [view[got:got + (16 << 20)]])
+        if n == 0:
+            raise NotARecordFile(errno.EIO, f"ends at {got} bytes, {size} expected")
+        got += n
+    view.release()
+    if os.read(fd, 1):
+        raise NotARecordFile(errno.EFBIG, f"grew past {size} bytes while read")
+    return buf
 
 
 def _kind(mode: int) -> str:

@@ -10,6 +10,7 @@ fails is an :class:`Unreadable` entry with its reason, listed beside the others.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar.evidence.files import MAX_RECORD_BYTES, read_regular
+from sidecar.evidence.files import (
+    MAX_RECORD_BYTES,
+    MAX_TENSOR_FILE_BYTES,
+    open_regular,
+    read_exact,
+    read_regular,
+)
+from sidecar.evidence.record import tensors_name
 
 NAME = re.compile(r"^anomaly-(\d{8,20})\.json$")
 MAX_NESTING = 16  # the writer caps records at depth 6 (sidecar.evidence.record.MAX_DEPTH)
@@ -80,6 +88,65 @@ def read_record(path: Path, seq: int) -> dict[str, Any]:
         raise RecordUnreadable(problem)
     assert isinstance(rec, dict)
     return rec
+
+
+class TensorsUnreadable(ValueError):
+    """A record's tensor file that is not the one it states; the message names the file."""
+
+
+def open_tensors(directory: Path, rec: dict[str, Any]) -> int | None:
+    """A descriptor open on the tensor file of ``rec`` (a checked record), or ``None`` when
+    it has none: a regular file in ``directory`` (no link, FIFO or device), of exactly the
+    size the record states and at most :data:`MAX_TENSOR_FILE_BYTES`. The one rule of
+    ``evidence list`` (its KV column) and ``evidence show`` (which then checks the SHA-256);
+    :class:`TensorsUnreadable` says why not. The caller closes the descriptor."""
+    spec = rec.get("tensors")
+    if not isinstance(spec, dict) or "file" not in spec:
+        return None
+    name, want = tensors_name(rec["seq"]), spec["bytes"]
+    if want > MAX_TENSOR_FILE_BYTES:
+        raise TensorsUnreadable(f"{name}: the record states {want} bytes, over the "
+                                f"{MAX_TENSOR_FILE_BYTES}-byte limit")
+    try:
+        fd, size = open_regular(directory / name, MAX_TENSOR_FILE_BYTES)
+    except OSError as exc:
+        raise TensorsUnreadable(f"{name}: {exc.strerror or exc}") from None
+    if size != want:
+        os.close(fd)
+        raise TensorsUnreadable(f"{name} is {size} bytes, the record states {want}")
+    return fd
+
+
+def tensors_state(directory: Path, rec: dict[str, Any]) -> str:
+    """``yes``, ``no``, ``skipped`` (the writer said why) or ``unreadable: <why>``: the
+    record's tensors as ``evidence list`` shows them, by :func:`open_tensors`."""
+    try:
+        fd = open_tensors(directory, rec)
+    except TensorsUnreadable as exc:
+        return f"unreadable: {exc}"
+    if fd is None:
+        return "skipped" if "skipped" in (rec.get("tensors") or {}) else "no"
+    os.close(fd)
+    return "yes"
+
+
+def read_tensors(directory: Path, rec: dict[str, Any]) -> bytearray | None:
+    """The bytes of the record's tensor file (:func:`open_tensors`), in one buffer read
+    once and hashed in place, checked against the SHA-256 the record states."""
+    fd = open_tensors(directory, rec)
+    if fd is None:
+        return None
+    name = tensors_name(rec["seq"])
+    try:
+        data = read_exact(fd, rec["tensors"]["bytes"])
+    except OSError as exc:
+        raise TensorsUnreadable(f"{name}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if hashlib.sha256(data).hexdigest() != rec["tensors"]["sha256"]:
+        raise TensorsUnreadable(f"{name} is not the file record {rec['seq']} wrote "
+                                "(its SHA-256 differs)")
+    return data
 
 
 def record_problem(rec: Any, seq: int) -> str | None:

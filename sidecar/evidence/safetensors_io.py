@@ -65,12 +65,14 @@ def dumps(tensors: Mapping[str, torch.Tensor],
     return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
-def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def loads(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a safetensors file; :class:`SafetensorsError` when the
     bytes are truncated or the header is inconsistent (a file cut by a crash reads as bad,
     never as a shorter tensor). The whole header is checked (names, dtypes, shapes,
     offsets tiling the body, metadata of strings) before a tensor is built, so a crafted
-    file costs no more memory than its own bytes."""
+    file costs no more memory than its own bytes. A ``bytearray`` is handed over: the
+    tensors are views of it (the file is in memory once); ``bytes`` are copied, a tensor
+    at a time."""
     if len(data) < 8:
         raise SafetensorsError("shorter than the 8-byte header length")
     (n,) = struct.unpack_from("<Q", data)
@@ -104,13 +106,23 @@ def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise SafetensorsError(f"body is {len(body)} bytes, tensors end at {offset}")
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, begin, end) in specs.items():
-        _, view = DTYPES[dtype]
-        chunk = bytes(body[begin:end])
-        flat = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if chunk \
-            else torch.empty(0, dtype=torch.uint8)
-        t = flat.view(torch.bool if dtype == torch.bool else view)
-        out[name] = (t if dtype == torch.bool else t.view(dtype)).reshape(shape)
+        out[name] = _tensor(data, 8 + n + begin, 8 + n + end, dtype).reshape(shape)
     return out, dict(metadata)
+
+
+def _tensor(data: bytes | bytearray, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """``data[begin:end]`` as a flat tensor of ``dtype``: a view of a ``bytearray`` whose
+    offset suits the dtype's width, else a copy of those bytes."""
+    if begin == end:
+        return torch.empty(0, dtype=dtype)
+    width = torch.empty(0, dtype=dtype).element_size()
+    if isinstance(data, bytearray) and begin % width == 0:
+        flat = torch.frombuffer(data, dtype=torch.uint8, offset=begin, count=end - begin)
+    else:  # bytes are read-only, and an odd offset cannot be viewed as a wider type
+        flat = torch.frombuffer(bytearray(memoryview(data)[begin:end]), dtype=torch.uint8)
+    if dtype == torch.bool:
+        return flat.view(torch.bool)
+    return flat.view(DTYPES[dtype][1]).view(dtype)
 
 
 def _entry(name: str, spec: object, body_len: int) -> tuple[torch.dtype, list[int], int, int]:

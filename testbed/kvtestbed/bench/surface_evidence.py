@@ -142,8 +142,8 @@ def _check_batch(res: SurfaceResult, d: Path, expect: dict[int, str],
     started = time.monotonic()
     try:
         good, bad = scan_records(d)
-        text = format_list(good, bad)  # what `evidence list` prints
-        json.dumps([summary_line(r) for r in good] + [u.as_dict() for u in bad])
+        text = format_list(good, bad, d)  # what `evidence list` prints
+        json.dumps([summary_line(r, d) for r in good] + [u.as_dict() for u in bad])
     except Exception:
         res.escaped += len(expect)
         return
