@@ -16,8 +16,14 @@ current stream (after the kernel that wrote the blocks) is waited on by the side
 copy is queued there, and the engine's stream then waits on the copy's own event, so no
 later kernel of the engine (a reuse of the block) and no check reading the slot (the
 verifier queues on the same current stream) can run before the copy finished. The host
-never waits. That is the only CUDA-specific code (:meth:`_copy_cuda`); slot accounting,
-leases and the CPU path are shared, and run on "meta" tensors too.
+never waits. A reader on another host thread (the vLLM probe's shipper) calls
+:func:`wait_copied` on a slot before reading it on the host: it waits for that copy only,
+never for the engine's stream. That is the only CUDA-specific code (:meth:`_copy_cuda`);
+slot accounting, leases and the CPU path are shared, and run on "meta" tensors too.
+
+A block's K (or V) is given either as one tensor of the slot's shape or as one tensor per
+layer (views into the engine's paged layout, e.g. transposed or tile-packed): the copy into
+the slot then decodes the layout in the same pass, with no intermediate tensor.
 """
 
 from __future__ import annotations
@@ -29,15 +35,42 @@ from collections.abc import Sequence
 import torch
 
 Block = tuple[torch.Tensor, torch.Tensor]  # (key, value), each (layers, heads, bs, dim)
+Part = torch.Tensor | Sequence[torch.Tensor]  # one K or V: a tensor, or one per layer
+SourceBlock = tuple[Part, Part]
 
 
 class _Lease:
     """Holds slots until every view handed out for them is collected."""
 
-    __slots__ = ("__weakref__", "slots")
+    __slots__ = ("__weakref__", "copied", "slots")
 
     def __init__(self, slots: list[int]) -> None:
         self.slots = slots
+        self.copied: torch.cuda.Event | None = None  # the side stream's copy (CUDA only)
+
+
+def wait_copied(slot: torch.Tensor) -> None:
+    """Block this host thread until the copy into ``slot`` is done (CUDA: that copy's own
+    event; CPU: the copy was done when ``capture`` returned). Call before reading a slot on
+    another thread than the engine's."""
+    lease = getattr(slot, "_kvsidecar_lease", None)
+    if lease is not None and lease.copied is not None:
+        lease.copied.synchronize()
+
+
+def _shape(part: Part) -> tuple[int, ...]:
+    if isinstance(part, torch.Tensor):
+        return tuple(part.shape)
+    shapes = {tuple(p.shape) for p in part}
+    return (len(part), *shapes.pop()) if len(shapes) == 1 else (len(part), -1)
+
+
+def _copy(dst: torch.Tensor, src: Part, non_blocking: bool = False) -> None:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src, non_blocking=non_blocking)
+    else:
+        for layer, part in enumerate(src):
+            dst[layer].copy_(part, non_blocking=non_blocking)
 
 
 class CaptureBuffer:
@@ -73,12 +106,12 @@ class CaptureBuffer:
     def slot_bytes(self) -> int:
         return 2 * self.key[0].numel() * self.key.element_size()
 
-    def capture(self, blocks: Sequence[Block]) -> list[Block] | None:
+    def capture(self, blocks: Sequence[SourceBlock]) -> list[Block] | None:
         """Copies of ``blocks`` in buffer slots (views that hold the slots until collected),
         or ``None`` when fewer than ``len(blocks)`` slots are free (nothing is copied)."""
         for key, value in blocks:
-            if tuple(key.shape) != self.block_shape or tuple(value.shape) != self.block_shape:
-                raise ValueError(f"block of shape {tuple(key.shape)} in a capture buffer of "
+            if _shape(key) != self.block_shape or _shape(value) != self.block_shape:
+                raise ValueError(f"block of shape {_shape(key)} in a capture buffer of "
                                  f"{self.block_shape}")
         with self._lock:
             if len(blocks) > len(self._free):
@@ -90,11 +123,11 @@ class CaptureBuffer:
         pairs = [(self.key[s], self.value[s], k, v) for s, (k, v) in zip(slots, blocks,
                                                                           strict=True)]
         if self._side is not None:
-            self._copy_cuda(pairs)
+            lease.copied = self._copy_cuda(pairs)
         else:
             for dk, dv, k, v in pairs:
-                dk.copy_(k)
-                dv.copy_(v)
+                _copy(dk, k)
+                _copy(dv, v)
         out: list[Block] = []
         for dk, dv, _, _ in pairs:
             dk._kvsidecar_lease = lease  # type: ignore[attr-defined]
@@ -103,7 +136,8 @@ class CaptureBuffer:
         self.captured += len(out)
         return out
 
-    def _copy_cuda(self, pairs: Sequence[tuple[torch.Tensor, ...]]) -> None:
+    def _copy_cuda(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor, Part, Part]]
+                   ) -> torch.cuda.Event:
         """Side-stream copy ordered after the engine's write and before anything the
         engine's stream queues next (a reuse of the block, a check of the slot)."""
         assert self._side is not None
@@ -113,11 +147,12 @@ class CaptureBuffer:
         self._side.wait_event(written)
         with torch.cuda.stream(self._side):
             for dk, dv, k, v in pairs:
-                dk.copy_(k, non_blocking=True)
-                dv.copy_(v, non_blocking=True)
+                _copy(dk, k, non_blocking=True)
+                _copy(dv, v, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._side)
         engine.wait_event(copied)
+        return copied
 
     def _release(self, slots: list[int]) -> None:
         with self._lock:

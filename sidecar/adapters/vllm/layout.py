@@ -90,12 +90,13 @@ def validate_cpu_layout(kv_caches: Mapping[str, torch.Tensor], block_size: int) 
                 f"whose block layout is untested; supported: {', '.join(SUPPORTED_ISAS)}.")
 
 
-def decode_cpu_block(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
-                     isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one block for ``layers``, each ``(layers, kv_heads, block_size, head_dim)``,
-    copied (the engine may reuse the block the moment we return). ``isa``: the kernel that
-    wrote the block, by default the one vLLM picks for the caches' dtype and shape."""
-    keys, values = [], []
+def cpu_block_views(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
+                    isa: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, views of one block's K and V as ``(kv_heads, block_size, head_dim)`` in
+    token order (no copy: a copy of each view, e.g. into a capture slot, decodes it).
+    ``isa``: the kernel that wrote the block, by default the one vLLM picks for the caches'
+    dtype and shape."""
+    out = []
     for t in layers:
         blk = t[block_id]  # (H, bs, 2D)
         h, bs, two_d = blk.shape
@@ -105,14 +106,27 @@ def decode_cpu_block(layers: Sequence[torch.Tensor], block_id: int, block_size: 
         k_raw, v_raw = flat[:, : bs * d], flat[:, bs * d:]
         if kind == "amx":
             r = _AMX_ROWS
-            keys.append(k_raw.reshape(h, bs // r, d // 2, r, 2).permute(0, 1, 3, 2, 4)
-                        .reshape(h, bs, d))
-            values.append(v_raw.reshape(h, d // r, bs // 2, r, 2).permute(0, 2, 4, 1, 3)
-                          .reshape(h, bs, d))
+            out.append((k_raw.reshape(h, bs // r, d // 2, r, 2).permute(0, 1, 3, 2, 4)
+                        .reshape(h, bs, d),
+                        v_raw.reshape(h, d // r, bs // 2, r, 2).permute(0, 2, 4, 1, 3)
+                        .reshape(h, bs, d)))
         else:
-            keys.append(k_raw.reshape(h, d, bs).transpose(1, 2))
-            values.append(v_raw.reshape(h, bs, d))
-    return (torch.stack(keys).contiguous().clone(), torch.stack(values).contiguous().clone())
+            out.append((k_raw.reshape(h, d, bs).transpose(1, 2), v_raw.reshape(h, bs, d)))
+    return out
+
+
+def decode_cpu_block(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
+                     isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one block for ``layers``, each ``(layers, kv_heads, block_size, head_dim)``,
+    copied (the engine may reuse the block the moment we return); see
+    :func:`cpu_block_views`."""
+    return stack_views(cpu_block_views(layers, block_id, block_size, isa))
+
+
+def stack_views(views: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer K and V views stacked into fresh ``(layers, ...)`` tensors (one copy)."""
+    return torch.stack([k for k, _ in views]), torch.stack([v for _, v in views])
 
 
 def encode_cpu_block(key: torch.Tensor, value: torch.Tensor,
@@ -191,14 +205,23 @@ def _strides_follow(t: torch.Tensor, order: Sequence[int]) -> bool:
     return all(a > b for a, b in itertools.pairwise(strides))
 
 
+def gpu_block_views(layers: Sequence[torch.Tensor], block_id: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, views of one block's K and V as ``(kv_heads, block_size, head_dim)`` in
+    vLLM's ``[B, H, N, 2D]`` views (any stride layout); no copy."""
+    out = []
+    for t in layers:
+        blk = t[block_id]
+        d = blk.shape[-1] // 2
+        out.append((blk[..., :d], blk[..., d:]))
+    return out
+
+
 def decode_gpu_block(layers: Sequence[torch.Tensor], block_id: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one block for ``layers`` (vLLM's ``[B, H, N, 2D]`` views, any stride
-    layout), each ``(layers, kv_heads, block_size, head_dim)``: a copy on the caches' own
-    device (the engine may reuse the block once we return)."""
-    blocks = torch.stack([t[block_id] for t in layers])  # (L, H, N, 2D): one gather copy
-    d = blocks.shape[-1] // 2
-    return blocks[..., :d].contiguous(), blocks[..., d:].contiguous()
+    """K and V of one block for ``layers``, each ``(layers, kv_heads, block_size, head_dim)``:
+    a copy on the caches' own device (the engine may reuse the block once we return)."""
+    return stack_views(gpu_block_views(layers, block_id))
 
 
 def encode_gpu_block(view: torch.Tensor, block_id: int, key: torch.Tensor,
@@ -256,12 +279,18 @@ def validate_layout(kv_caches: Mapping[str, torch.Tensor], block_size: int,
         validate_gpu_layout(kv_caches, block_size, backend, layout)
 
 
+def block_views(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
+                backend: str = CPU_BACKEND) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer K and V views of one block, decoded by the backend that wrote it."""
+    if backend == CPU_BACKEND:
+        return cpu_block_views(layers, block_id, block_size)
+    return gpu_block_views(layers, block_id)
+
+
 def decode_block(layers: Sequence[torch.Tensor], block_id: int, block_size: int,
                  backend: str = CPU_BACKEND) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block through the decoder of the backend that wrote it."""
-    if backend == CPU_BACKEND:
-        return decode_cpu_block(layers, block_id, block_size)
-    return decode_gpu_block(layers, block_id)
+    """One block through the decoder of the backend that wrote it (copied)."""
+    return stack_views(block_views(layers, block_id, block_size, backend))
 
 
 def reported_layout(vllm_config: object, layer_names: Sequence[str]) -> tuple[str, str | None]:

@@ -16,13 +16,15 @@ What a drop loses is accounted by what it carried, because the sidecar reports e
   ``lost_messages``.
 
 The three counts are cumulative and ride on every message, so the sidecar learns of a loss
-from the next message that gets through (:class:`~sidecar.adapters.vllm.receiver.ProbeReceiver`
-clamps what a peer may claim).
+from the next message that gets through (:class:`~sidecar.adapters.vllm.receiver.
+ProbeReceiver` clamps what a peer may claim). They are kept under a lock: the probe's
+shipper thread sends while the engine's thread may account a capture it could not take.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from typing import Any
 
@@ -43,6 +45,7 @@ class Pipe:
         self.src = uuid.uuid4().hex[:12]
         self._carry: list[list[int]] = []  # lookups waiting for the pipe to drain
         self._carry_limit = carry_limit
+        self._lock = threading.Lock()
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -56,27 +59,43 @@ class Pipe:
     def send_message(self, kind: str, **fields: Any) -> bool:
         """Pack and send one message; False when it had to be dropped (accounted by kind:
         see the module docstring)."""
-        if kind == "lookups":
-            return self._send_lookups(list(fields.get("items", ())))
-        if self._carry:
-            self._send_lookups([])  # what waits goes first: the order the engine saw
-        if self._send(kind, fields):
-            return True
+        with self._lock:
+            if kind == "lookups":
+                return self._send_lookups(list(fields.get("items", ())))
+            if self._carry:
+                self._send_lookups([])  # what waits goes first: the order the engine saw
+            if self._send(kind, fields):
+                return True
+            self._account(kind, fields)
+            return False
+
+    def account_unsent(self, kind: str, **fields: Any) -> None:
+        """A message that was never offered to the socket (the shipper was full): counted
+        as if its send had failed, a capture's lookup carried."""
+        with self._lock:
+            if kind == "lookups":
+                self._hold(list(fields.get("items", ())))
+            else:
+                self._account(kind, fields)
+
+    def _account(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "capture":
             self.dropped += 1
             q, h = fields.get("query_tokens"), fields.get("hit_tokens")
-            if isinstance(q, int) and isinstance(h, int):
+            # A sampled hit was also a lookup; a reference capture (the sidecar's own
+            # recompute, role "reference") never was.
+            if fields.get("role", "hit") == "hit" and isinstance(q, int) and isinstance(h, int):
                 self._hold([[q, h]])
         else:
             self.lost_messages += 1
-        return False
 
     def send(self, data: bytes) -> bool:
         """Send bytes already packed (tests); a failure counts as a lost message."""
-        if self._raw_send(data):
-            return True
-        self.lost_messages += 1
-        return False
+        with self._lock:
+            if self._raw_send(data):
+                return True
+            self.lost_messages += 1
+            return False
 
     def _send_lookups(self, items: list[list[int]]) -> bool:
         batch = self._carry + items if self._carry else items

@@ -18,9 +18,9 @@ What it does, all best-effort (an error is logged and counted, never raised into
   sampled and its blocks chosen (last full block + earlier ones in rotation, as the Monitor does).
   A request whose ``cache_salt`` is a sidecar reference salt is the sidecar's own engine-side
   recompute: not a lookup, its named blocks are captured once its prefill has run;
-* worker half: after the step's forward, copies the chosen blocks out of the paged KV
-  tensors, converts vLLM's CPU layout to (layers, kv_heads, block_size, head_dim) and pushes
-  them to the sidecar;
+* worker half: after the step's forward, copies the chosen blocks into preallocated slots
+  on their device, decoding the layout to (layers, kv_heads, block_size, head_dim) in that
+  copy; host copy, packing and send run on the probe's own thread (:mod:`.shipper`);
 * both halves: write-time fingerprints (:mod:`.block_writes`): the full blocks each forward
   completes (1 in ``fingerprint_every``, default every one) are digested after it, and a
   capture carries each captured block's digest and write path (prefill or decode), for the
@@ -63,8 +63,9 @@ from sidecar.adapters.vllm.block_writes import (
     raw_digest,
 )
 from sidecar.adapters.vllm.groups import groups_from_specs
-from sidecar.adapters.vllm.layout import decode_block, reported_layout, validate_layout
+from sidecar.adapters.vllm.layout import block_views, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
+from sidecar.adapters.vllm.shipper import CaptureOrder, Shipper, Staged, default_slots
 from sidecar.adapters.vllm.state_layout import (
     StateSpec,
     decode_state_block,
@@ -92,20 +93,6 @@ _COUNTS_EVERY_S = 1.0  # fingerprint counts go out at least this often (and with
 
 
 @dataclass
-class CaptureOrder:
-    """What the scheduler half asks the worker half to copy out after this step."""
-
-    capture_id: str
-    role: str  # "hit" or "reference"
-    salt: str | None
-    tokens: list[int]
-    query_tokens: int  # the lookup's prompt length (a sampled hit is also a lookup)
-    hit_tokens: int
-    blocks: dict[int, list[int]]  # group -> block ids of the hit (or the reference prefix)
-    refs: list[tuple[int, int, int]]  # (group, index, block id)
-
-
-@dataclass
 class ProbeMetadata(KVConnectorMetadata):
     captures: list[CaptureOrder] = field(default_factory=list)
     fills: list[BlockFill] = field(default_factory=list)  # full blocks this step completes
@@ -123,7 +110,8 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     ``endpoint`` (required: the sidecar's PULL socket), ``sample_every`` (100),
     ``blocks_per_sample`` (2), ``seed`` (0), ``pipe_hwm`` (64 messages),
     ``fingerprint_every`` (1: every full block fingerprinted at write; 0: none),
-    ``fingerprint_capacity`` (blocks remembered, oldest first out)."""
+    ``fingerprint_capacity`` (blocks remembered, oldest first out), ``capture_slots``
+    (device slots per cache group; default :func:`.shipper.default_slots`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -144,6 +132,10 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
                                        burst=Burst(int(extra.get("burst_hits", 0)),
                                                    int(extra.get("burst_every", 1))))
         self._pipe = Pipe(str(extra["endpoint"]), int(extra.get("pipe_hwm", 64)))
+        # The worker half sends through its shipper's thread (the scheduler half, in
+        # another process, sends lookups on its own pipe directly: nothing to copy).
+        self._shipper = Shipper(self._pipe, int(extra.get(
+            "capture_slots", default_slots(self._blocks_per_sample))))
         self._group_layers = _group_layers(kv_cache_config)
         self._groups = [g for g, _ in groups_from_specs(kv_cache_config, _layer_index)]
         self._hybrid = any(g.kind is not GroupKind.FULL_ATTENTION for g in self._groups)
@@ -309,7 +301,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._layers = {g: sorted((n for n in names if n in kv_caches), key=_layer_index)
                         for g, names in groups.items()}
         first = next(iter(attention.values()))
-        self._pipe.send_message(
+        self._shipper.post(
             "hello", vllm=vllm.__version__, model=self._model,
             dtype=str(first.dtype).removeprefix("torch."), block_size=self._block_size,
             kv_heads=int(first.shape[1]), head_dim=int(first.shape[3]) // 2,
@@ -341,7 +333,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
                 log.exception("kv-sidecar probe: write-time fingerprints failed (ignored)")
         for order in meta.captures:
             try:
-                self._pipe.send_message("capture", **self._capture(order))
+                self._capture(order)
             except Exception:
                 log.exception("kv-sidecar probe: capture %s failed (ignored)",
                               order.capture_id)
@@ -353,17 +345,21 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         counts = self._table.take_counts()
         self._counts_at = now
         if counts is not None:
-            self._pipe.send_message("fingerprints", **counts)
+            self._shipper.post("fingerprints", **counts)
 
     def _digest(self, group_id: int, block_id: int) -> str:
         """One attention block's digest in the engine's layout, where it lives."""
         return raw_digest([self._kv[name] for name in self._layers.get(group_id, [])],
                           block_id)
 
-    def _capture(self, order: CaptureOrder) -> dict[str, Any]:
-        kv = []
+    def _capture(self, order: CaptureOrder) -> None:
+        """On the engine's step: each block copied into a slot (a recurrent state, small,
+        copied as it is decoded) and the write records read; the rest is the shipper's."""
+        kv: list[Staged] = []
         writes = []
         bs = self._block_size
+        lookup = {"role": order.role, "query_tokens": order.query_tokens,
+                  "hit_tokens": order.hit_tokens}
         for g, index, block_id in order.refs:
             entry = self._table.get(g, block_id) if order.role == "hit" else None
             if entry is not None:  # the same digest now, next to the bytes shipped
@@ -371,15 +367,26 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
                 writes.append((g, index, entry.epoch, entry.digest, entry.path, served))
             layers = [self._kv[name] for name in self._layers.get(g, [])]
             spec = self._state_specs.get(g)
-            k, v = (decode_state_block(layers, block_id, spec) if spec is not None
-                    else decode_block(layers, block_id, bs, self._backend))
-            kv.append((g, index, block_id, k.cpu(), v.cpu()))  # shipped: host bytes
-        return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
-                              order.query_tokens, order.hit_tokens, order.blocks, kv, writes)
+            if spec is not None:
+                k, v = decode_state_block(layers, block_id, spec)
+            else:
+                slot = self._shipper.stage(g, block_views(layers, block_id, bs, self._backend))
+                if slot is None:  # every slot still waits to be shipped: not taken
+                    self._shipper.refuse_capture(lookup)
+                    return
+                k, v = slot
+            kv.append((g, index, block_id, k, v))
+
+        def build(host: list[Staged]) -> dict[str, Any]:
+            return capture_fields(order.capture_id, order.role, order.salt, order.tokens,
+                                  order.query_tokens, order.hit_tokens, order.blocks, host,
+                                  writes)
+
+        self._shipper.post_capture(build, kv, lookup)
 
     def shutdown(self) -> None:
         self._send_counts(time.monotonic())
-        self._pipe.close()
+        self._shipper.close()
 
 
 def _group_layers(kv_cache_config: Any) -> dict[int, list[str]]:
