@@ -50,6 +50,10 @@ BENCHES: dict[str, Bench] = {
     "perf": Bench(("bench", "perf", "--quick", "--json"),
                   "quick (`--quick`): tiny sizes, one repeat, no callgrind instruction counts; "
                   "it proves the command and shows the shape of each figure, not its value"),
+    "perf-vllm": Bench(("bench", "perf", "--engine", "vllm", "--vllm-requests", "600",
+                        "--json"),
+                       "reduced: 600 requests per timed run (the full run: 2,000), 5 "
+                       "interleaved pairs, N = 1000, 100 and 10; needs `.venv-vllm`"),
     "reliability": Bench(("bench", "reliability", "--quick", "--json"),
                          "quick (`--quick`): 1k cases per decoder and 3 kill cycles "
                          "(the full run: 100k cases each, 20 cycles)"),

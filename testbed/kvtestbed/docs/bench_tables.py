@@ -65,6 +65,21 @@ def perf(root: Path) -> str:
             + f"\n\nMedians of {s['repeats']} repeat(s); spread = min..max.")
 
 
+def perf_vllm(root: Path) -> str:
+    doc = load(root, "perf-vllm")
+    if doc is None:
+        return _missing("perf-vllm")
+    from kvtestbed.bench.perf import format_table
+    from kvtestbed.bench.perf_row import Row
+
+    rows = [Row(**r) for r in doc["result"]["rows"]]
+    s = doc["result"]["settings"]
+    return (provenance(doc) + "\n" + format_table(rows)
+            + f"\n\nMedians of {s['pairs']} interleaved pair(s) of {s['requests_per_run']} "
+            f"requests; spread = min..max over pairs; load average "
+            f"{s['load_average_start']} at start, {s['load_average_end']} at the end.")
+
+
 def reliability(root: Path) -> str:
     doc = load(root, "reliability")
     if doc is None:

@@ -29,6 +29,8 @@ def outputs(root: Path) -> list[Output]:
         Output("docs/bench/detection.md", partial(bench_tables.detection, root, "detection-hybrid"),
                region="detection-hybrid"),
         Output("docs/bench/perf.md", partial(bench_tables.perf, root), region="perf"),
+        Output("docs/bench/perf.md", partial(bench_tables.perf_vllm, root),
+               region="perf-vllm"),
         Output("docs/bench/reliability.md", partial(bench_tables.reliability, root),
                region="reliability"),
     ]
