@@ -183,18 +183,25 @@ def test_shipped_profile_covers_every_demo_model_and_dtype() -> None:
     names = {"reference": "tiny-llama", "hybrid": "tiny-gemma2", "recurrent": "tiny-lfm2"}
     for dtype in ("float32", "bfloat16", "float16"):
         for model in names.values():
-            entry = prof.find(model, dtype, None, "engine")
-            assert entry is not None, (model, dtype)
-            assert entry.blocks >= 500
-            assert entry.tolerance == pytest.approx(min(tolerance_for(dtype), max(
-                min_tolerance(dtype), entry.multiple * entry.floor)))
+            for path, least in (("all", 500), ("prefill", 500), ("decode", 200)):
+                entry = prof.find(model, dtype, None, "engine", path)
+                assert entry is not None, (model, dtype, path)
+                assert entry.blocks >= least
+                assert entry.tolerance == pytest.approx(min(tolerance_for(dtype), max(
+                    min_tolerance(dtype), entry.multiple * entry.floor)))
+            # The engine's own prefill is bit-exact on prefill-written blocks in bfloat16.
+            prefill = prof.find(model, dtype, None, "engine", "prefill")
+            assert dtype != "bfloat16" or (prefill is not None and prefill.floor == 0.0)
     assert sidecar_config(DemoOptions()).calibration_profile == str(SHIPPED_PROFILE)
     assert sidecar_config(DemoOptions(sidecar={"calibration_profile": ""})) \
         .calibration_profile is None
 
 
 def test_calibrate_measures_a_clean_engine_and_refuses_too_few_blocks(tmp_path: Path) -> None:
-    entry = measure("reference", "float32", 12, 0, 4.0, 8)
+    entries = {e.write_path: e for e in measure("reference", "float32", 12, 0, 4.0, 8)}
+    assert "all" in entries and "prefill" in entries  # the engine reports its write paths
+    assert entries["all"].blocks >= sum(e.blocks for p, e in entries.items() if p != "all")
+    entry = entries["all"]
     assert entry.model == "tiny-llama" and entry.reference == "engine"
     assert entry.blocks >= 8 and 0 < entry.floor < 1e-4
     assert entry.tolerance == min_tolerance("float32")

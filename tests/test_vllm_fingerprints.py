@@ -29,6 +29,7 @@ from sidecar.adapters.vllm.wire import (
     unpack,
 )
 from sidecar.checks.calibration import Calibration, CalibrationConfig
+from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile
 from sidecar.checks.fingerprint import kv_digest
 from sidecar.checks.tolerance import min_tolerance
 from sidecar.core.monitor import Monitor, SidecarConfig
@@ -228,7 +229,11 @@ def test_exact_compare_for_engine_prefill_blocks_and_a_tolerance_of_its_own_for_
     assert noisy.tolerance("engine", "prefill") == pytest.approx(max(4 * 0.01,
                                                                      min_tolerance("bfloat16")))
     paths = {(s.reference, s.write_path): s for s in cal.states()}
-    assert paths[("engine", "prefill")].floor == 0.0 and len(paths) == 3
+    assert paths[("engine", "prefill")].floor == 0.0 and len(paths) == 5  # + "all" of each
+    # Learnt from the window alone, exact is a guess: a difference under the minimum
+    # refutes it (the block passes, the path goes back to the clamp; a profile is firm).
+    assert cal.refute_exact("engine", "prefill", 1e-3)
+    assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
 
 
 class _EngineReference:
@@ -244,11 +249,16 @@ class _EngineReference:
 
 
 def test_verifier_compares_bit_exactly_where_prefill_wrote_and_calibrates_decode_apart(
-        tiny_model: str) -> None:
+        tiny_model: str, tmp_path: Any) -> None:
     info = engine_info_from_checkpoint(tiny_model, "bfloat16", BS)
     reference = _EngineReference()
+    profile = tmp_path / "profile.json"  # a trusted run found the prefill path exact
+    save_profile(profile, Profile((ProfileEntry(
+        model=info.model, dtype="bfloat16", reference="engine", floor=0.0,
+        tolerance=min_tolerance("bfloat16"), blocks=2000, write_path="prefill"),)))
     mon = Monitor(VllmAdapter(info, reference), SidecarConfig(
-        dispatch="inline", burst_hits=0, calibration_samples=2), info=info)
+        dispatch="inline", burst_hits=0, calibration_samples=2,
+        calibration_profile=str(profile)), info=info)
     k, v = _kv(3)
     reference.blocks[2] = (k, v)
     one_ulp = k.clone()

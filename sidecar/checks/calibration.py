@@ -19,11 +19,16 @@ and write path (``prefill``/``decode`` where the engine's probe says which wrote
   own kernels a block a prefill wrote) and the floor over the whole calibration window is
   exactly 0, the tolerance is 0: a bit-exact compare, so a change of one element by 1e-3 of
   the block's spread, far under the few-ulps minimum, is caught. Where the floor is not 0
-  (a backend whose kernels are not batch-invariant, GPUs), the usual clamp applies;
+  (a backend whose kernels are not batch-invariant, GPUs), the usual clamp applies. A
+  profile entry for an exact path decides it from the start: floor 0 (over its thousands of
+  blocks), tolerance 0 before any block is learnt; floor above 0 (float16 prefills on the
+  reference engine differ in ~2% of blocks), never exact, whatever 64 blocks showed;
 * **drift**: afterwards, the ``quantile`` of the last ``window`` errors divided by the
-  floor (the floor never taken below ``minimum / multiple``, so drift reaches ``multiple``
-  exactly when the quantile reaches the tolerance). A distribution moving away from its
-  floor shows here while every single block still passes.
+  floor, the lower of the learnt and the profile's (a corruption present since the start
+  raises the learnt floor, never the profile's; the floor never taken below ``minimum /
+  multiple``, so drift reaches ``multiple`` exactly when the quantile reaches the
+  tolerance). A distribution moving away from its floor shows here while every single block
+  still passes.
 
 An explicit override for a (reference, dtype) is used as-is: the operator chose it.
 
@@ -140,10 +145,17 @@ class NoiseFloor:
         self.profile_tolerance: float | None = None
         self._profile_floor: float | None = None
         if profile is not None and not fixed:
-            self.profile_tolerance = min(self.ceiling, max(self.minimum, profile.tolerance))
+            # An exact path whose trusted run never saw a bit differ (floor 0 over its
+            # thousands of blocks) is compared bit-exactly from the first block: a block
+            # corrupted before it is stored, from the start, is never learnt as noise.
+            self.profile_tolerance = 0.0 if self.exact and profile.floor == 0.0 \
+                else min(self.ceiling, max(self.minimum, profile.tolerance))
             self._profile_floor = profile.floor
             self.tolerance = self.profile_tolerance
         self.learning = not fixed and cfg.samples > 0
+        # Exact learnt from this window alone (no profile): a hypothesis, refuted by the
+        # first block that differs by less than the minimum (see refute_exact).
+        self.provisional = False
         self.clean_blocks, self.clean_max = 0, 0.0
         self._seen: list[float] = []
         self._recent: deque[float] = deque(maxlen=cfg.window)
@@ -173,17 +185,41 @@ class NoiseFloor:
 
     def _settle(self) -> None:
         self.floor = max(self._seen)
-        learnt = 0.0 if self.exact and self.floor == 0.0 \
+        # Exact only if the profile (its trusted run, far longer than this window) agrees:
+        # a path that differed there (float16 prefills, 2% of blocks) is not exact here.
+        exact = self.exact and self.floor == 0.0 and not self._profile_floor
+        learnt = 0.0 if exact \
             else min(self.ceiling, max(self.minimum, self.cfg.multiple * self.floor))
+        self.provisional = exact and self.profile_tolerance is None
         # Downward-safe: a floor learnt now (perhaps beside a broken engine) may tighten
         # the profile's tolerance, never loosen it.
         self.tolerance = learnt if self.profile_tolerance is None \
             else min(learnt, self.profile_tolerance)
         self._seen = []
 
+    def refute_exact(self, error: float) -> bool:
+        """A clean-looking error (over 0, within the minimum) on a path learnt exact from
+        this window alone: the engine is not exact there (float16/float32 prefills on the
+        reference engine differ in 2-25% of blocks, after 64 that matched). The path goes
+        back to the clamp and the block passes; ``True`` when that happened."""
+        if not (self.provisional and self.tolerance == 0.0 and 0.0 < error <= self.minimum):
+            return False
+        self.provisional = False
+        self.floor = error
+        self.tolerance = min(self.ceiling, max(self.minimum, self.cfg.multiple * error))
+        log.warning("kv-sidecar: %s reference, %s, %s write path: a block differed by %.3g "
+                    "after %d that matched bit for bit; no longer compared exactly "
+                    "(tolerance %.3g). A calibration profile decides this from a trusted run.",
+                    self.reference, self.dtype, self.write_path, error, self.cfg.samples,
+                    self.tolerance)
+        return True
+
     def drift(self) -> float | None:
-        """Recent error quantile / calibrated (or profile) floor; ``None`` before either."""
-        floor = self.floor if self.floor is not None else self._profile_floor
+        """Recent error quantile / the lower of the profile's and the learnt floor (a
+        profile's, measured on a trusted engine, is not raised by a corruption present
+        since this start, which a learnt one is); ``None`` before either."""
+        floors = [f for f in (self.floor, self._profile_floor) if f is not None]
+        floor = min(floors) if floors else None
         if floor is None or len(self._recent) < MIN_DRIFT_ERRORS:
             return None
         ordered = sorted(self._recent)
@@ -240,14 +276,28 @@ class Calibration:
 
     def tolerance(self, reference: str, write_path: str = WritePath.ALL.value) -> float:
         """The tolerance a comparison against ``reference`` of a block ``write_path``
-        wrote uses now."""
+        wrote uses now. A path still learning (no profile entry, too few of its own blocks
+        yet: decode-written ones are ~15% of a chat's hits) uses the ``all`` floor's, which
+        learns from every block, rather than the ceiling."""
         with self._lock:
-            return self._floor(reference, write_path).tolerance
+            nf = self._floor(reference, write_path)
+            if write_path == WritePath.ALL.value or not nf.learning or nf.calibrated \
+                    or nf.profile_tolerance is not None:
+                return nf.tolerance
+            return min(nf.tolerance, self._floor(reference).tolerance)
+
+    def refute_exact(self, reference: str, write_path: str, error: float) -> bool:
+        """:meth:`NoiseFloor.refute_exact` of the (reference, write path) floor."""
+        with self._lock:
+            return self._floor(reference, write_path).refute_exact(error)
 
     def observe(self, reference: str, error: float, passed: bool,
                 write_path: str = WritePath.ALL.value) -> None:
+        """One block's error, into its path's floor and the ``all`` floor (every block)."""
         with self._lock:
             self._floor(reference, write_path).observe(error, passed)
+            if write_path != WritePath.ALL.value:
+                self._floor(reference).observe(error, passed)
 
     def states(self) -> list[FloorState]:
         with self._lock:

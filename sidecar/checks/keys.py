@@ -98,6 +98,7 @@ class StoreRecord(NamedTuple):
     key_fields: Mapping[str, str]
     kv_digest: str | None = None
     epoch: int = 0
+    write_path: str = "all"  # the engine's write path (core.protocol.WritePath) at store
 
 
 def hit_digests(hit: Hit, block_size: int, upto_index: int) -> list[int]:

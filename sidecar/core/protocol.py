@@ -191,7 +191,10 @@ class StoredBlock:
       it is the first block.
 
     ``kv_digest`` is an optional write-time fingerprint of the block's KV bytes
-    (:mod:`sidecar.checks.fingerprint`). ``generation`` is the engine's allocation stamp
+    (:mod:`sidecar.checks.fingerprint`); ``write_path`` which engine path wrote them
+    (:class:`WritePath`: ``prefill``, ``decode``, or ``all`` where the engine does not say;
+    the tolerance is calibrated per path, and a prefill-written block is compared bit-exactly
+    where the engine's own recompute is exact). ``generation`` is the engine's allocation stamp
     where it keeps one (0 where it does not: the sidecar's own epochs make stamps an
     optimisation, not a requirement).
     """
@@ -206,6 +209,7 @@ class StoredBlock:
     kv_digest: str | None = None
     seq_id: SequenceId | None = None  # the sequence that wrote it, for the lifecycle log
     prefix_digest: int | None = None
+    write_path: str = "all"  # a WritePath value; anything else is recorded as "all"
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """What the sidecar remembers of stored blocks: a bounded LRU of :class:`StoreRecord`, and
 an epoch per block id.
 
-At store time each block's allocation generation, chained token digest, key fields and
-optional KV digest are recorded; at a sampled hit the records of the chosen blocks are
-snapshotted so the verifier compares the hit with what was written, not with what the
-block holds by the time the worker gets to it. Bounded: the oldest records go first, and a
+At store time each block's allocation generation, chained token digest, key fields,
+optional KV digest and write path are recorded; at a sampled hit the records of the chosen
+blocks are snapshotted so the verifier compares the hit with what was written, not with what
+the block holds by the time the worker gets to it. Bounded: the oldest records go first, and a
 block without a record simply skips the key checks (never a false alarm).
 
 **Epochs are the sidecar's own, not the engine's.** Every ``on_store`` and ``on_free`` of a
@@ -26,10 +26,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from sidecar.checks.keys import ROOT_DIGEST, StoreRecord, tokens_hash
-from sidecar.core.protocol import BlockRef, StoredBlock
+from sidecar.core.protocol import BlockRef, StoredBlock, WritePath
 
 _new_record = tuple.__new__
 _NO_FIELDS: Mapping[str, str] = MappingProxyType({})
+# A write path outside the enum is recorded as "all" (never exact; a bounded label).
+_PATHS = {p.value: p.value for p in WritePath}
 
 
 class StoreIndex:
@@ -81,13 +83,15 @@ class StoreIndex:
         kf = block.key_fields
         if own_hash is None:
             own_hash = tokens_hash(block.tokens)
+        path = block.write_path
+        path = _PATHS.get(path, "all") if isinstance(path, str) else "all"
         # tuple.__new__ builds the NamedTuple without its Python-level __new__ (4x
         # cheaper on the store hook); fields in StoreRecord's order. The chained digest
         # is token_digest's, inline.
         records[key] = _new_record(StoreRecord, (
             block.generation,
             hash((ROOT_DIGEST if parent_digest is None else parent_digest, own_hash)),
-            chained, prefix, dict(kf) if kf else _NO_FIELDS, block.kv_digest, epoch))
+            chained, prefix, dict(kf) if kf else _NO_FIELDS, block.kv_digest, epoch, path))
         if len(records) > self.capacity:
             del records[next(iter(records))]
         if len(epochs) > self.max_epochs:

@@ -6,7 +6,9 @@ block of it verified, the tolerance held at the fixed table so nothing learnt ca
 block. The largest error among the blocks that passed is the floor; the profile's tolerance
 is ``multiple x floor`` (3 by default: the floor here is the largest error over thousands of
 blocks, long contexts included, where a learnt one is the largest of the first 64 and takes
-4x), clamped like a learnt one (:mod:`sidecar.checks.calibration`). A run that
+4x), clamped like a learnt one (:mod:`sidecar.checks.calibration`). One entry per write
+path the engine reports (``prefill``, ``decode``) and one over all blocks (``all``); a
+``prefill`` floor of exactly 0 makes the sidecar compare those blocks bit-exactly. A run that
 flagged anything is refused: a profile must not be measured on an engine that is not clean.
 Entries already in ``--out`` for other keys are kept (``--replace`` drops them).
 """
@@ -59,9 +61,11 @@ def add_parser(sub: Any) -> None:
 
 
 def measure(model: str, dtype: str, requests: int, seed: int, multiple: float,
-            min_blocks: int) -> ProfileEntry:
-    """One clean reference-engine run -> its profile entry; ``ValueError`` when the run
-    was not clean or verified too few blocks."""
+            min_blocks: int) -> list[ProfileEntry]:
+    """One clean reference-engine run -> its profile entries: one per write path the engine
+    reported (``prefill``, ``decode``) with at least ``min_blocks`` clean blocks, and the
+    ``all`` entry over every block (for blocks stored without a path: a tier's loads).
+    ``ValueError`` when the run was not clean or verified too few blocks."""
     from kvtestbed.demo import DemoOptions, build
     from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
@@ -85,16 +89,20 @@ def measure(model: str, dtype: str, requests: int, seed: int, multiple: float,
         raise ValueError(f"{model}/{dtype}: the calibration run flagged {flagged} anomalies "
                          f"({summary['anomalies']}): not a trusted engine, no profile written")
     kind = monitor.verifier.reference_kind
-    state = next(s for s in monitor.verifier.calibration.states() if s.reference == kind)
-    if state.clean_blocks < min_blocks:
-        raise ValueError(f"{model}/{dtype}: only {state.clean_blocks} clean blocks verified "
+    states = {s.write_path: s for s in monitor.verifier.calibration.states()
+              if s.reference == kind}  # "all": every block (calibration.Calibration.observe)
+    total = states["all"].clean_blocks if "all" in states else 0
+    if total < min_blocks:
+        raise ValueError(f"{model}/{dtype}: only {total} clean blocks verified "
                          f"(--min-blocks {min_blocks}); raise --requests")
-    tolerance = min(state.ceiling, max(min_tolerance(dtype), multiple * state.clean_max))
-    info = monitor.info
-    return ProfileEntry(model=info.model, dtype=dtype, reference=kind,
-                        floor=state.clean_max, tolerance=tolerance,
-                        blocks=state.clean_blocks, multiple=multiple,
-                        kv_storage=info.kv_storage, engine=info.engine)
+    floors = {path: (s.clean_max, s.clean_blocks) for path, s in states.items()
+              if path == "all" or s.clean_blocks >= min_blocks}
+    info, ceiling = monitor.info, states["all"].ceiling
+    return [ProfileEntry(model=info.model, dtype=dtype, reference=kind, floor=floor,
+                         tolerance=min(ceiling, max(min_tolerance(dtype), multiple * floor)),
+                         blocks=blocks, multiple=multiple, write_path=path,
+                         kv_storage=info.kv_storage, engine=info.engine)
+            for path, (floor, blocks) in sorted(floors.items())]
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -114,15 +122,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for model in args.model:
         for dtype in args.dtype:
             try:
-                entry = measure(model, dtype, args.requests, args.seed, args.multiple,
-                                args.min_blocks)
+                measured = measure(model, dtype, args.requests, args.seed, args.multiple,
+                                   args.min_blocks)
             except ValueError as exc:
                 print(f"kv-sidecar: error: {exc}", file=sys.stderr)
                 return 1
-            entries.append(entry)
-            print(f"{entry.model:<12} {dtype:<9} {entry.reference:<11} floor "
-                  f"{entry.floor:.3g} over {entry.blocks} clean blocks -> tolerance "
-                  f"{entry.tolerance:.3g}", flush=True)
+            entries.extend(measured)
+            for entry in measured:
+                print(f"{entry.model:<12} {dtype:<9} {entry.reference:<11} "
+                      f"{entry.write_path:<8} floor {entry.floor:.3g} over {entry.blocks} "
+                      f"clean blocks -> tolerance {entry.tolerance:.3g}", flush=True)
     save_profile(args.out, old.merged(Profile(tuple(entries), str(args.out))))
     print(f"wrote {args.out} ({len(entries)} entries)")
     return 0

@@ -212,7 +212,7 @@ class ReferenceEngine(BatchScheduler):
         self._write(seq, seq.hit_tokens, out.kv)
         seq.num_computed = seq.prompt_len
         self._store_full_blocks(seq)
-        self._append_token(seq, out.next_token)
+        seq.append(out.next_token)
 
     def _decode(self, seq: RunningSequence) -> None:
         past = self._gather(seq, seq.num_computed)
@@ -220,12 +220,7 @@ class ReferenceEngine(BatchScheduler):
         self._write(seq, seq.num_computed, out.kv)
         seq.num_computed += 1
         self._store_full_blocks(seq)
-        self._append_token(seq, out.next_token)
-
-    @staticmethod
-    def _append_token(seq: RunningSequence, token: int) -> None:
-        seq.output.append(token)
-        seq.tokens.append(token)
+        seq.append(out.next_token)
 
     def _finish(self, seq: RunningSequence) -> Result:
         with self.lock:
@@ -296,7 +291,7 @@ class ReferenceEngine(BatchScheduler):
                     group_id=GROUP_ID, block_id=b, generation=generation, tokens=tokens,
                     prefix_tokens=i * bs, key_fields=key_dict,
                     parent_block_id=seq.blocks[i - 1] if i else None, kv_digest=digest,
-                    seq_id=seq.seq_id))
+                    seq_id=seq.seq_id, write_path=seq.write_path(i, bs)))
             with self.lock:
                 self.fault.on_block_stored(self, seq, b)
         seq.num_cached_blocks = full

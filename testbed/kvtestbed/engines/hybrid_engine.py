@@ -273,7 +273,7 @@ class HybridEngine(BatchScheduler, GroupTables):
                     group_id=g, block_id=b, generation=generation, tokens=tokens,
                     prefix_tokens=i * bs, key_fields=key_dict,
                     parent_block_id=None if parent in (None, NULL_BLOCK) and g else parent,
-                    seq_id=seq.seq_id))
+                    seq_id=seq.seq_id, write_path=seq.write_path(i, bs)))
         seq.num_cached_blocks = full
 
     def _finish(self, seq: RunningSequence) -> Result:

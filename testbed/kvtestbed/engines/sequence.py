@@ -77,3 +77,14 @@ class RunningSequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request.tokens)
+
+    def write_path(self, index: int, block_size: int) -> str:
+        """Which path wrote block ``index`` (a ``WritePath`` value): ``prefill`` when every
+        position of it is a prompt token (one forward over the prompt's uncached tail),
+        ``decode`` when a decode step completed it (one token a forward)."""
+        return "prefill" if (index + 1) * block_size <= self.prompt_len else "decode"
+
+    def append(self, token: int) -> None:
+        """A generated token: the output and the tokens the next step runs after."""
+        self.output.append(token)
+        self.tokens.append(token)

@@ -1,0 +1,92 @@
+"""Write paths from a store event, and what a profile decides for an exact path (issue 23).
+
+* the engine's ``StoredBlock.write_path`` is kept in the store record (a value outside
+  :class:`WritePath` as ``all``), where the verifier reads it when no probe recorded one;
+* a profile entry whose floor is exactly 0 on an exact path (the engine's own reference, a
+  prefill-written block) makes the compare bit-exact from the first block; one whose floor is
+  above 0 keeps the path off exact, whatever the first blocks learnt in memory show;
+* drift is measured against the lower of the profile's and the learnt floor, so a
+  corruption present since the start (which raises the learnt one) still shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.checks.calibration import Calibration, CalibrationConfig
+from sidecar.checks.calibration_profile import Profile, ProfileEntry
+from sidecar.checks.tolerance import min_tolerance
+from sidecar.core.protocol import BlockRef, StoredBlock, WritePath
+from sidecar.core.store_index import StoreIndex
+
+
+def _profile(*entries: tuple[str, str, float, float]) -> Profile:
+    return Profile(tuple(ProfileEntry(model="m", dtype="bfloat16", reference=reference,
+                                      write_path=path, floor=floor, tolerance=tol, blocks=1000)
+                         for reference, path, floor, tol in entries))
+
+
+def _calibration(profile: Profile | None, samples: int = 4) -> Calibration:
+    return Calibration("bfloat16", None, CalibrationConfig(samples=samples, profile=profile),
+                       model="m")
+
+
+@pytest.mark.parametrize(("given", "kept"), [
+    ("prefill", "prefill"), (WritePath.DECODE, "decode"), ("all", "all"),
+    ("sideways", "all"), (["prefill"], "all"), (None, "all")])
+def test_store_record_keeps_the_engine_write_path(given: object, kept: str) -> None:
+    index = StoreIndex(16)
+    index.record(StoredBlock(0, 3, 1, (1, 2), 0, write_path=given))  # type: ignore[arg-type]
+    record = index.snapshot([BlockRef(0, 0, 3)])[0][BlockRef(0, 0, 3)]
+    assert record is not None and record.write_path == kept and type(record.write_path) is str
+
+
+def test_profile_floor_zero_on_an_exact_path_is_exact_from_the_first_block() -> None:
+    cal = _calibration(_profile(("engine", "prefill", 0.0, 0.0625),
+                                ("engine", "decode", 0.0247, 0.074),
+                                ("independent", "prefill", 0.0, 0.0625)))
+    assert cal.tolerance("engine", "prefill") == 0.0
+    assert cal.tolerance("engine", "decode") == pytest.approx(0.074)
+    assert cal.tolerance("independent", "prefill") == min_tolerance("bfloat16")  # not exact
+    cal.observe("engine", 0.03, False, "prefill")  # a corrupted block: never learnt
+    for _ in range(4):
+        cal.observe("engine", 0.0, True, "prefill")
+    assert cal.tolerance("engine", "prefill") == 0.0
+
+
+def test_profile_floor_above_zero_keeps_an_exact_path_off_exact() -> None:
+    cal = _calibration(_profile(("engine", "prefill", 0.0016, 0.0078)))
+    for _ in range(4):  # the first blocks happen to match bit for bit
+        cal.observe("engine", 0.0, True, "prefill")
+    assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
+    without = _calibration(None)  # without a profile the window decides, as before
+    for _ in range(4):
+        without.observe("engine", 0.0, True, "prefill")
+    assert without.tolerance("engine", "prefill") == 0.0
+
+
+def test_drift_is_measured_against_the_profile_floor() -> None:
+    cfg = CalibrationConfig(samples=16, multiple=3.0,
+                            profile=_profile(("engine", "decode", 0.0247, 0.074)))
+    cal = Calibration("bfloat16", None, cfg, model="m")
+    for _ in range(16 + 32):  # a corruption present since the start: errors of 0.05
+        cal.observe("engine", 0.05, True, "decode")
+    state = next(s for s in cal.states() if s.write_path == "decode")
+    assert state.floor == pytest.approx(0.05)  # the learnt floor took the corruption in
+    assert state.drift == pytest.approx(0.05 / 0.0247)  # the profile's floor did not
+    learnt_only = Calibration("bfloat16", None, CalibrationConfig(samples=16, multiple=3.0))
+    for _ in range(16 + 32):
+        learnt_only.observe("engine", 0.05, True, "decode")
+    assert learnt_only.states()[0].drift == pytest.approx(1.0)  # blind without a profile
+
+
+def test_exact_learnt_without_a_profile_is_refuted_by_a_sub_minimum_difference() -> None:
+    cal = _calibration(None)
+    for _ in range(4):
+        cal.observe("engine", 0.0, True, "prefill")
+    assert cal.tolerance("engine", "prefill") == 0.0
+    assert not cal.refute_exact("engine", "prefill", 0.1)  # over the minimum: flagged
+    assert cal.refute_exact("engine", "prefill", 1e-3)  # the engine is not exact here
+    assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
+    firm = _calibration(_profile(("engine", "prefill", 0.0, 0.0625)))
+    assert not firm.refute_exact("engine", "prefill", 1e-3)  # a profile's exact is firm
