@@ -52,32 +52,28 @@ def detection(root: Path, name: str = "detection") -> str:
     return provenance(doc) + "\n" + render(doc["result"]) + tail
 
 
-def perf(root: Path) -> str:
-    doc = load(root, "perf")
+def _rows(root: Path, name: str, tail: Any) -> str:
+    """A recorded ``bench perf`` run's rows, rendered as the terminal table; ``tail``: the
+    line under it, from the run's settings."""
+    doc = load(root, name)
     if doc is None:
-        return _missing("perf")
+        return _missing(name)
     from kvtestbed.bench.perf import format_table
     from kvtestbed.bench.perf_row import Row
 
     rows = [Row(**r) for r in doc["result"]["rows"]]
-    s = doc["result"]["settings"]
-    return (provenance(doc) + "\n" + format_table(rows)
-            + f"\n\nMedians of {s['repeats']} repeat(s); spread = min..max.")
+    return provenance(doc) + "\n" + format_table(rows) + "\n\n" + tail(doc["result"]["settings"])
+
+
+def perf(root: Path) -> str:
+    return _rows(root, "perf", lambda s: f"Medians of {s['repeats']} repeat(s); spread = min..max.")
 
 
 def perf_vllm(root: Path) -> str:
-    doc = load(root, "perf-vllm")
-    if doc is None:
-        return _missing("perf-vllm")
-    from kvtestbed.bench.perf import format_table
-    from kvtestbed.bench.perf_row import Row
-
-    rows = [Row(**r) for r in doc["result"]["rows"]]
-    s = doc["result"]["settings"]
-    return (provenance(doc) + "\n" + format_table(rows)
-            + f"\n\nMedians of {s['pairs']} interleaved pair(s) of {s['requests_per_run']} "
-            f"requests; spread = min..max over pairs; load average "
-            f"{s['load_average_start']} at start, {s['load_average_end']} at the end.")
+    return _rows(root, "perf-vllm", lambda s: (
+        f"Medians of {s['pairs']} interleaved pair(s) of {s['requests_per_run']} requests; "
+        f"spread = min..max over pairs; load average {s['load_average_start']} at start, "
+        f"{s['load_average_end']} at the end."))
 
 
 def reliability(root: Path) -> str:
