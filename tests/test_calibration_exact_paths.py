@@ -90,3 +90,15 @@ def test_exact_learnt_without_a_profile_is_refuted_by_a_sub_minimum_difference()
     assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
     firm = _calibration(_profile(("engine", "prefill", 0.0, 0.0625)))
     assert not firm.refute_exact("engine", "prefill", 1e-3)  # a profile's exact is firm
+
+
+def test_the_refuting_error_is_not_learnt_as_the_floor() -> None:
+    """A corruption that starts after the window may refute exact with its own first block
+    (outside check: bf16 K-head x1.02 from request 60 differed by 0.059, under the minimum
+    0.0625); learnt x4 it would have hidden 94 of the next 96 corrupted blocks."""
+    cal = _calibration(None)
+    for _ in range(4):
+        cal.observe("engine", 0.0, True, "prefill")
+    minimum = min_tolerance("bfloat16")
+    assert cal.refute_exact("engine", "prefill", 0.95 * minimum)
+    assert cal.tolerance("engine", "prefill") == minimum  # the clamp, not 4 x 0.059

@@ -185,3 +185,18 @@ def test_the_canary_rule_names_the_key_set_outside_its_default(tmp_path, capsys,
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith("kv-sidecar: error: canary.max_rate: min_rate must not exceed "
                            "max_rate, got 0.05 > 0.01 (KVSIDECAR_CANARY_MAX_RATE)"), line
+
+
+@pytest.mark.parametrize("toml, says", [
+    ('fault = "nonexistent"', "unknown fault 'nonexistent'; known: none, zero-block"),
+    ('device = "tpu"', "expected cpu, cuda or cuda:N (N >= 0), got 'tpu'"),
+    ('device = "cuda:-1"', "expected cpu, cuda or cuda:N (N >= 0), got 'cuda:-1'"),
+])
+def test_config_check_refuses_what_the_demo_refuses(tmp_path, capsys, toml, says) -> None:
+    """An outside check: ``[demo] fault = "nonexistent"`` and ``device = "tpu"`` passed
+    `config check`, then the demo refused them. The flags' types are the one rule."""
+    path = _write(tmp_path, "demo.toml", f"[demo]\n{toml}\n".encode())
+    assert main(["config", "check", path]) == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+    assert main(["demo", "--config", path, "--requests", "1", "--port", "0", "--quiet"]) == 2
+    assert says in _one_error_line(capsys.readouterr().err)

@@ -37,3 +37,13 @@ nonneg_float = bounded(float, 0.0)
 port = bounded(int, 0, 65535)
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def device_name(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (N >= 0), checked by spelling only,
+    so ``config check`` refuses ``tpu`` or ``cuda:-1`` on any machine; whether the device
+    exists is checked where it is used (a config may be checked off the GPU box)."""
+    kind, sep, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not sep or (index.isdigit() and index.isascii()))):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N >= 0), got {text!r}")

@@ -10,11 +10,23 @@ so ``kv-sidecar --help`` stays fast.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
 from sidecar.checks import tolerance
-from sidecar.cli.arg_types import DTYPES, nonneg_float, port, positive_int
+from sidecar.cli.arg_types import DTYPES, device_name, nonneg_float, port, positive_int
+
+
+def fault_name(text: str) -> str:
+    """An argparse type: a fault ``kv-sidecar faults`` lists, so ``config check`` refuses a
+    ``[demo] fault`` the demo would (the engines, and torch, load only when it is checked)."""
+    from kvtestbed.engines import FAULTS  # the package registers the hybrid faults too
+
+    if text not in FAULTS:
+        raise argparse.ArgumentTypeError(f"unknown fault {text!r}; known: {', '.join(FAULTS)} "
+                                         "(see `kv-sidecar faults`)")
+    return text
 
 
 def _add_demo(sub: Any) -> None:
@@ -25,7 +37,7 @@ def _add_demo(sub: Any) -> None:
                     "/healthz and /status on 127.0.0.1 while it runs, and print a summary. "
                     "With --fault, the engine corrupts its cache in the named way from a "
                     "request index on, and the summary shows what the sidecar caught.")
-    d.add_argument("--fault", default="none", metavar="NAME",
+    d.add_argument("--fault", default="none", metavar="NAME", type=fault_name,
                    help="fault to inject (see `kv-sidecar faults`); default: none")
     d.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="model and KV dtype (default: float32)")
@@ -54,7 +66,7 @@ def _add_demo(sub: Any) -> None:
 
     add_otlp_arguments(d)
     d.add_argument("--quiet", action="store_true", help="no progress output")
-    d.add_argument("--device", default="cpu", metavar="DEVICE",
+    d.add_argument("--device", default="cpu", metavar="DEVICE", type=device_name,
                    help="where the engine's model and KV live: cpu or cuda[:N] (default: cpu; "
                         "cuda without a CUDA device is an error)")
     tolerance.add_arguments(d)
