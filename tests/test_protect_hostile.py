@@ -5,6 +5,7 @@ fixed where it broke; each stays here as its regression test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import socket
@@ -33,7 +34,8 @@ class RawUpstream:
         self.connections = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -75,7 +77,15 @@ class RawUpstream:
                     return
 
     def close(self) -> None:
+        """Shut the listening socket (a blocked accept returns), join the acceptor, then
+        close. Closing first raced the acceptor: it could read the fd number just before it
+        was closed and reused by the next test's server, and then accept that server's
+        connections and answer them with this test's answers (CI: three tests got another
+        test's answer, one hung in the stub server's accept)."""
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(10)
         self._sock.close()
 
 

@@ -21,7 +21,10 @@ from sidecar.cli.arg_types import DTYPES, device_name, nonneg_float, port, posit
 def fault_name(text: str) -> str:
     """An argparse type: a fault ``kv-sidecar faults`` lists, so ``config check`` refuses a
     ``[demo] fault`` the demo would (the engines, and torch, load only when it is checked)."""
-    from kvtestbed.engines import FAULTS  # the package registers the hybrid faults too
+    try:
+        from kvtestbed.engines import FAULTS  # the package registers the hybrid faults too
+    except ImportError:  # torch/transformers missing: the command names the extra (exit 2)
+        return text
 
     if text not in FAULTS:
         raise argparse.ArgumentTypeError(f"unknown fault {text!r}; known: {', '.join(FAULTS)} "

@@ -54,9 +54,9 @@ BENCHES: dict[str, Bench] = {
                         "--json"),
                        "reduced: 600 requests per timed run (the full run: 2,000), 5 "
                        "interleaved pairs, N = 1000, 100 and 10; needs `.venv-vllm`"),
-    "reliability": Bench(("bench", "reliability", "--quick", "--json"),
-                         "quick (`--quick`): 1k cases per decoder and 3 kill cycles "
-                         "(the full run: 100k cases each, 20 cycles)"),
+    "reliability": Bench(("bench", "reliability", "--json"),
+                         "full: 100k cases per decoder, 10k per file and config surface, "
+                         "20 kill cycles (issue 21's acceptance run)"),
 }
 
 
