@@ -189,8 +189,12 @@ def test_the_canary_rule_names_the_key_set_outside_its_default(tmp_path, capsys,
 
 @pytest.mark.parametrize("toml, says", [
     ('fault = "nonexistent"', "unknown fault 'nonexistent'; known: none, zero-block"),
-    ('device = "tpu"', "expected cpu, cuda or cuda:N (N >= 0), got 'tpu'"),
-    ('device = "cuda:-1"', "expected cpu, cuda or cuda:N (N >= 0), got 'cuda:-1'"),
+    ('device = "tpu"', "expected cpu, cuda or cuda:N (N = 0..127, no leading zero), got 'tpu'"),
+    ('device = "cuda:-1"', "expected cpu, cuda or cuda:N (N = 0..127, no leading zero), got "
+                           "'cuda:-1'"),
+    ('device = "cuda:01"', "got 'cuda:01'"),  # outside check: torch refuses it
+    ('device = "cuda:999"', "got 'cuda:999'"),  # torch wraps it to cuda:-25
+    ('device = "cuda:99999999999999999999"', "no leading zero), got 'cuda:9999"),
 ])
 def test_config_check_refuses_what_the_demo_refuses(tmp_path, capsys, toml, says) -> None:
     """An outside check: ``[demo] fault = "nonexistent"`` and ``device = "tpu"`` passed

@@ -39,11 +39,18 @@ port = bounded(int, 0, 65535)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+MAX_DEVICE_INDEX = 127  # torch's device index is 8 bits: "cuda:999" parses as cuda:-25
+
+
 def device_name(text: str) -> str:
-    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (N >= 0), checked by spelling only,
-    so ``config check`` refuses ``tpu`` or ``cuda:-1`` on any machine; whether the device
-    exists is checked where it is used (a config may be checked off the GPU box)."""
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``, spelt as torch parses it (no
+    leading zero, N <= 127), checked by spelling only, so ``config check`` refuses ``tpu``,
+    ``cuda:-1`` or ``cuda:01`` on any machine; whether the device exists is checked where it
+    is used (a config may be checked off the GPU box)."""
     kind, sep, index = text.partition(":")
-    if text == "cpu" or (kind == "cuda" and (not sep or (index.isdigit() and index.isascii()))):
+    canonical = index.isascii() and index.isdigit() and str(int(index)) == index
+    if text == "cpu" or (kind == "cuda" and (not sep or (
+            canonical and int(index) <= MAX_DEVICE_INDEX))):
         return text
-    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N >= 0), got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"expected cpu, cuda or cuda:N (N = 0..{MAX_DEVICE_INDEX}, no leading zero), got {text!r}")
