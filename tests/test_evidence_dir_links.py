@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.cli import main
+from sidecar.cli.main import main
 from sidecar.evidence.files import EvidenceDirRefused
 from sidecar.evidence.record import EvidenceLog, tensor_key
 

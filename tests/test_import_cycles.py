@@ -2,6 +2,11 @@
 ``TYPE_CHECKING`` ones included: mypy and a reader follow those too). Imports inside functions
 are lazy on purpose and not counted here (tests/test_layout.py counts them too).
 
+Importing ``a.b.c`` runs ``a/b/__init__.py`` first, so an import is also an edge to every
+package above its target that is not already above the importer (those are running already):
+``kvtestbed.workload -> kvtestbed.engines.engine`` is an edge to ``kvtestbed.engines`` too,
+whose ``__init__`` once re-exported the workload, and ``import kvtestbed.workload`` failed.
+
 ``KNOWN`` lists the circles that remain, each with who removes it; a new circle fails here,
 and so does a listed one that is gone (so the list cannot go stale).
 """
@@ -32,6 +37,21 @@ def package_modules(packages: tuple[ModuleType, ...] = (sidecar, kvtestbed)) -> 
     return modules
 
 
+def with_parent_packages(importer: str, targets: set[str], modules: dict[str, Path] | set[str]
+                         ) -> set[str]:
+    """``targets`` plus the packages whose ``__init__`` importing them runs: every package above a
+    target, except the importer's own ancestors (already initialising when it runs)."""
+    running = {importer.rsplit(".", depth)[0] for depth in range(1, importer.count(".") + 1)}
+    edges = set(targets)
+    for target in targets:
+        parts = target.split(".")
+        for end in range(1, len(parts)):
+            package = ".".join(parts[:end])
+            if package in modules and package not in running and package != importer:
+                edges.add(package)
+    return edges
+
+
 def _module_graph() -> dict[str, set[str]]:
     modules = package_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -51,7 +71,7 @@ def _module_graph() -> dict[str, set[str]]:
 
     for name, path in modules.items():
         visit(name, ast.parse(path.read_text()).body)
-    return graph
+    return {name: with_parent_packages(name, targets, modules) for name, targets in graph.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
@@ -100,6 +120,16 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == {frozenset({"a", "b", "c"})}
     assert circles({"a": {"b"}, "b": set()}) == set()
+
+
+def test_an_import_runs_the_packages_above_its_target():
+    modules = {"p", "p.engines", "p.engines.engine", "p.workload"}
+    assert with_parent_packages("p.workload", {"p.engines.engine"}, modules) == {
+        "p.engines", "p.engines.engine"}
+    # a package's own modules do not depend on it: it is initialising when they run
+    assert with_parent_packages("p.engines.engine", {"p.engines"}, modules) == {"p.engines"}
+    assert with_parent_packages("p.engines", {"p.engines.engine"}, modules) == {
+        "p.engines.engine"}
 
 
 def test_no_import_circles_beyond_the_known_ones():

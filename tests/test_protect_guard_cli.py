@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.cli import main
+from sidecar.cli.main import main
 from tests.canary_fake import BLOCK, FakeServer
 
 

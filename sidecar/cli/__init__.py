@@ -1,5 +1,6 @@
-"""The ``kv-sidecar`` command line (:mod:`sidecar.cli.main`); ``main`` is the entry point."""
+"""The ``kv-sidecar`` command line; the entry point is :func:`sidecar.cli.main.main`.
 
-from sidecar.cli.main import main
-
-__all__ = ["main"]
+Nothing is imported here: every module that uses a flag type (:mod:`sidecar.cli.arg_types`)
+runs this ``__init__`` first, and the CLI imports every command, so a re-export of ``main``
+made each of them an import circle through the whole CLI.
+"""

@@ -1,26 +1,6 @@
 """Benchmarks (``kv-sidecar bench ...``): commands that print a table and, with ``--json``,
 one JSON object. ``detection``: every catalogued fault against the sidecar, per dtype;
-``perf``: what the sidecar costs the engine, against baselines measured in the same run."""
+``perf``: what the sidecar costs the engine, against baselines measured in the same run.
 
-from __future__ import annotations
-
-import argparse
-import sys
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    """Entry point from :mod:`sidecar.cli.main`; returns the exit code."""
-    if getattr(args, "bench", None) == "detection":
-        from kvtestbed.bench.detection import run
-
-        return run(args)
-    if getattr(args, "bench", None) == "perf":
-        from kvtestbed.bench.perf import run as run_perf
-
-        return run_perf(args)
-    if getattr(args, "bench", None) == "reliability":
-        from kvtestbed.bench.reliability import run as run_reliability
-
-        return run_reliability(args)
-    print("usage: kv-sidecar bench detection|perf|reliability [--json] ...", file=sys.stderr)
-    return 2
+The command itself is in :mod:`kvtestbed.bench.entry`: kept out of this ``__init__``, which
+every import of a bench module runs, so importing one bench never reaches the others."""

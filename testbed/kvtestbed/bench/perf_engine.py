@@ -13,14 +13,8 @@ from typing import Any
 import torch
 
 from kvtestbed.adapters.paged_adapter import ReferenceAdapter
-from kvtestbed.engines import (
-    ChatWorkload,
-    EngineConfig,
-    ModelConfig,
-    ReferenceEngine,
-    WorkloadConfig,
-    drive,
-)
+from kvtestbed.engines import EngineConfig, ModelConfig, ReferenceEngine
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from sidecar.checks.verifier import Verdict
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import Lookup
