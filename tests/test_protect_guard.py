@@ -194,39 +194,83 @@ def test_operator_and_webhook_need_the_token_and_a_page_for_this_instance_opens_
         assert all("alerts" not in b for b in fake.bodies)
 
 
-class StatusServer(StubServer):
-    """A kv-sidecar /status stand-in whose counters the test moves."""
+class RealStatus:
+    """A real kv-sidecar's ``/status`` (a Monitor's summary served by the sidecar's own
+    server), whose counters the test moves through the Monitor's metrics: the shape the
+    guard reads is the one sidecars serve (a stand-in with a bare anomaly count once hid
+    that the guard could not read a real one)."""
 
-    def __init__(self) -> None:
-        self.counts = {"anomalies": 0, "verified": 0}
-        outer = self
+    def __enter__(self) -> RealStatus:
+        from kvtestbed.bench.perf_hooks import monitor_for
 
+        from sidecar.export.server import SidecarServer
+
+        self.monitor = monitor_for(1000)
+        self.server = SidecarServer(self.monitor.metrics.registry, self.monitor.summary).start()
+        self.status_url = self.server.url + "/status"
+        return self
+
+    def anomaly(self, kind: str, n: int = 1) -> None:
+        self.monitor.metrics.inc(S.ANOMALIES, n, group="0", kind=kind)
+
+    def verified(self, n: int) -> None:
+        self.monitor.metrics.inc(S.VERIFIED, n, group="0")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+
+class FixedBody(StubServer):
+    """Answers every GET with ``body``: a /status that is not a kv-sidecar's."""
+
+    def __init__(self, body: bytes) -> None:
         class H(StubHandler):
             def do_GET(self) -> None:
-                self.reply(200, json.dumps(outer.counts).encode())
+                self.reply(200, body)
 
         super().__init__(H)
-        self.status_url = self.url + "/status"
 
 
 def test_a_sidecars_status_opens_it_and_its_clean_verdicts_close_it() -> None:
-    with StatusServer() as st:
-        st.counts.update(anomalies=4, verified=100)  # before the guard: not its business
+    with RealStatus() as st:
+        st.anomaly("zeros", 4)  # before the guard: not its business
+        st.verified(100)
         with FakeServer() as fake, guarded(fake, verify_every=0, sidecar_status=st.status_url,
                                            poll_every_s=3600) as guard:
             guard.poll_status()
             assert guard.breaker.state is State.CLOSED
-            st.counts.update(anomalies=5, verified=101)
+            st.anomaly("recompute_mismatch")  # another kind: the total counts
+            st.verified(1)
             guard.poll_status()
             assert guard.breaker.state is State.OPEN
             guard.breaker.force(State.HALF_OPEN)
-            st.counts.update(verified=103)
+            st.verified(2)
             guard.poll_status()
             assert guard.breaker.state is State.HALF_OPEN and guard.breaker.clean_probes == 2
-            st.counts.update(verified=104)
+            st.verified(1)
             guard.poll_status()
             assert guard.breaker.state is State.CLOSED
             assert _metric(guard, S.GUARD_TRANSITIONS, to="open", source="sidecar") == 1
+            assert _metric(guard, S.GUARD_STATUS_FAILURES) == 0
+
+
+@pytest.mark.parametrize("body", [
+    {"anomalies": 3, "verified": 1},  # a bare count: not what a sidecar serves
+    {"anomalies": {"zeros": "2"}, "verified": 1},
+    {"anomalies": {"zeros": -1}, "verified": 1},
+    {"anomalies": {}, "verified": 1.5},
+    {"verified": 1},
+    [1, 2],
+])
+def test_a_status_that_is_not_a_sidecars_is_counted_and_changes_nothing(body) -> None:
+    with FixedBody(json.dumps(body).encode()) as st, FakeServer() as fake, \
+            guarded(fake, verify_every=0, sidecar_status=st.url + "/status",
+                    poll_every_s=3600) as guard:
+        before = _metric(guard, S.GUARD_STATUS_FAILURES)  # the poller's first read, if done
+        guard.poll_status()
+        guard.poll_status()
+        assert guard.breaker.state is State.CLOSED
+        assert _metric(guard, S.GUARD_STATUS_FAILURES) == before + 2
 
 
 def test_a_server_that_ignores_cache_salt_is_only_alerted_on() -> None:

@@ -28,6 +28,23 @@ def test_cli_says_at_start_when_the_server_ignores_cache_salt() -> None:
     assert status["bypass_supported"] is False and status["probe_errors_to_open"] == 6
 
 
+def test_a_metrics_port_in_use_is_one_line_exit_1() -> None:
+    import socket
+
+    err = io.StringIO()
+    with socket.socket() as busy, FakeServer() as fake, contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc = main(["guard", "--upstream", f"http://127.0.0.1:{fake.port}", "--listen",
+                   "127.0.0.1:0", "--metrics-port", str(busy.getsockname()[1]), "--dtype",
+                   "float32", "--block-size", str(BLOCK), "--calibration", "2",
+                   "--duration", "0.01"])
+    lines = [ln for ln in err.getvalue().splitlines() if "kv-sidecar guard: error" in ln]
+    assert rc == 1 and len(lines) == 1 and "cannot serve metrics" in lines[0], err.getvalue()
+    assert "Traceback" not in err.getvalue()
+
+
 @pytest.mark.parametrize("flags", [["--hold", "nan"], ["--hold", "inf"], ["--probes", "0"],
                                    ["--listen", "nohost"], ["--max-body-bytes", "-1"]])
 def test_cli_refuses_bad_values(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,7 +67,8 @@ def _count(guard: BypassGuard, route: str) -> float:
     ("/v1/./chat//completions?x=1", "/v1/chat/completions?x=1"),
     ("/v1/%63ompletions", "/v1/completions"), ("/V1/completions", "/V1/completions"),
     ("/v1/responses", "/v1/responses"), ("/v1/messages", "/v1/messages"),
-    ("/v1/embeddings", "/v1/embeddings")])
+    ("/v1/embeddings", "/v1/embeddings"), ("/invocations", "/invocations"),
+    ("//Invocations/", "/Invocations")])
 def test_every_spelling_of_a_v1_post_is_salted_while_open(target: str, route: str) -> None:
     with open_guard() as (guard, seen):
         assert _post(guard, target, b'{"prompt": "hi"}') == 200
@@ -79,13 +80,43 @@ def test_every_spelling_of_a_v1_post_is_salted_while_open(target: str, route: st
 
 @pytest.mark.parametrize("body, extra, status", [
     (gzip.compress(b'{"prompt": "hi"}'), ("Content-Encoding: gzip",), 415),
-    (b"not json", (), 400), (b'["a list"]', (), 400)])
+    (b"not json", (), 400), (b'["a list"]', (), 400),
+    # the outside tester's: a RecursionError was a 502 with a traceback per request; 1e400
+    # went on as Infinity (not JSON); a 5,000-digit integer was "not a JSON object"
+    (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", (), 400),
+    (b'{"prompt": "hi", "t": 1e400}', (), 400),
+    (b'{"prompt": "hi", "n": ' + b"7" * 5000 + b"}", (), 400)])
 def test_a_generation_request_it_cannot_salt_is_refused_while_open(
         body: bytes, extra: tuple[str, ...], status: int) -> None:
     with open_guard() as (guard, seen):
         assert _post(guard, "/v1/responses/", body, *extra) == status
         assert seen == []
         assert _count(guard, "refused") == 1 and _count(guard, "forwarded") == 0
+
+
+def test_why_a_body_cannot_be_salted_is_said() -> None:
+    from sidecar.protect.bypass_guard import LARGE_BODY_BYTES, salted
+
+    assert salted(b"[" * 5000 + b"]" * 5000) == "a body nested too deep"
+    assert salted(b'{"t": 1e400}') == "a body with a number beyond the float range"
+    assert salted(b'{"n": ' + b"7" * 5000 + b"}") == "a body with an integer too long to read"
+    big = b'{"prompt": [' + b",".join([b"1"] * (LARGE_BODY_BYTES // 2)) + b"]}"
+    assert len(big) > LARGE_BODY_BYTES  # the one-at-a-time path
+    assert json.loads(salted(big))["cache_salt"].startswith(SALT_PREFIX)
+
+
+@pytest.mark.parametrize("target", ["//guard/status", "/GUARD/status", "/x/../guard/status",
+                                    "/guard", "/guard/status/", "/guard/./status"])
+def test_no_spelling_of_a_guard_path_goes_upstream(target: str) -> None:
+    with recording_upstream() as (port, seen):
+        guard = BypassGuard(GuardConfig(upstream=("127.0.0.1", port), model="m",
+                                        verify_every=0, token="secret")).start()
+        try:
+            assert _post(guard, target, b"{}", "Authorization: Bearer wrong") == 401
+            assert _post(guard, target, b"{}", "Authorization: Bearer secret") in (200, 404)
+            assert seen == []
+        finally:
+            guard.stop()
 
 
 def test_an_unsaltable_non_generation_post_is_counted_unprotected() -> None:

@@ -190,8 +190,12 @@ class _BoundedServer(ThreadingHTTPServer):
             self.reception.handler_done(request)  # a waiting request may take the slot
 
     def server_close(self) -> None:
-        self.reception.stop()
-        self.reception.join(2.0)
+        # Also called by TCPServer.__init__ when bind fails, before there is a reception:
+        # the caller then sees the OSError (port in use) alone, not an AttributeError on it.
+        reception = getattr(self, "reception", None)
+        if reception is not None:
+            reception.stop()
+            reception.join(2.0)
         super().server_close()
 
 

@@ -2,7 +2,8 @@
 stops users being served from a cache known to be wrong.
 
 Closed, it forwards every request byte for byte. Open, it adds a fresh ``cache_salt`` to
-the JSON body of every POST under ``/v1/`` (:data:`GENERATION_ROUTES`): vLLM keys
+the JSON body of every POST under ``/v1/`` and of vLLM's ``/invocations``
+(:data:`GENERATION_ROUTES`): vLLM keys
 a request's first block on its salt, so no cached block can match and the engine serves a
 miss (slower, never wrong because of the cache). Half-open, a few probes go with the cache
 and their verdicts decide (:mod:`sidecar.protect.breaker`).
@@ -48,6 +49,7 @@ from sidecar.protect.forward import (
     error,
 )
 from sidecar.protect.http_messages import normal_path
+from sidecar.protect.reception import Heap
 
 log = logging.getLogger(__name__)
 ENGINE = "guard"
@@ -61,8 +63,11 @@ STATUS_MAX_BYTES = 1 << 20
 # Generation routes: while bypassing, a body the guard cannot salt here is refused. Every
 # other POST under /v1/ is salted too when its body is a JSON object (vLLM reads cache_salt
 # on its pooling and Anthropic routes as well), else forwarded and counted unprotected.
+# vLLM's /invocations (SageMaker) routes by body to completions or chat, so it is one too.
+# Other native routes (SGLang's /generate, which keys its cache on extra_key, not
+# cache_salt) are forwarded as sent.
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                               "/v1/messages"})
+                               "/v1/messages", "/invocations"})
 REPLAYED_ROUTES = ("/v1/completions", "/v1/chat/completions")  # what the verifier replays
 
 
@@ -81,16 +86,41 @@ class GuardConfig:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
 
-def salted(body: bytes) -> bytes | None:
-    """``body`` (a JSON object) with a fresh ``cache_salt``; None when it is not one."""
+# Parsing a body takes many times its size in objects (an 8 MiB body of ``{}``s: ~200 MB),
+# so large ones are parsed one at a time and the heap trimmed after: the body cap then
+# bounds the guard's memory, however many such requests arrive at once.
+LARGE_BODY_BYTES = 256 << 10
+_LARGE_PARSE = threading.Lock()
+_HEAP = Heap()
+
+
+def salted(body: bytes) -> bytes | str:
+    """``body`` (a JSON object) with a fresh ``cache_salt``, or why it cannot be salted."""
+    if len(body) <= LARGE_BODY_BYTES:
+        return _salted(body)
+    with _LARGE_PARSE:
+        out = _salted(body)
+        _HEAP.trim()
+    return out
+
+
+def _salted(body: bytes) -> bytes | str:
     try:
         obj = json.loads(body)
-    except ValueError:
-        return None
+    except RecursionError:
+        return "a body nested too deep"
+    except ValueError as exc:  # not JSON, or an integer beyond Python's 4,300 digits
+        return ("a body with an integer too long to read" if "digits" in str(exc)
+                else "a body that is not a JSON object")
     if not isinstance(obj, dict):
-        return None
+        return "a body that is not a JSON object"
     obj["cache_salt"] = SALT_PREFIX + uuid.uuid4().hex
-    return json.dumps(obj, separators=(",", ":")).encode()
+    try:  # a number beyond float range (1e400) is read as inf: not JSON to send on
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return "a body with a number beyond the float range"
+    except RecursionError:
+        return "a body nested too deep"
 
 
 def pages_for(payload: Any, instance: str, model: str) -> list[str]:
@@ -123,7 +153,10 @@ class GuardApp(ForwardApp):
         self._seen = itertools.count(1)
 
     def local(self, request: Request) -> Reply | None:
-        if not request.route.startswith("/guard/"):
+        # The guard's own paths in every spelling a server would route alike (``//guard/``,
+        # ``/GUARD/``, ``/x/../guard/``): none of them goes upstream with the guard's token.
+        route = normal_path(request.route).lower()
+        if route != "/guard" and not route.startswith("/guard/"):
             return self._decide(request)
         g = self.guard
         if g.cfg.token is not None:
@@ -131,16 +164,16 @@ class GuardApp(ForwardApp):
             if not bearer_authorized(given, g.cfg.token):
                 return Reply(401, b"unauthorized\n",
                              headers=[("WWW-Authenticate", 'Bearer realm="kv-sidecar"')])
-        if request.route == "/guard/status" and request.method == "GET":
+        if route == "/guard/status" and request.method == "GET":
             return Reply(200, json.dumps(g.status()).encode(), "application/json")
         if request.method != "POST":
             return error(404, "unknown guard path")
         force = {"/guard/open": State.OPEN, "/guard/close": State.CLOSED,
-                 "/guard/half-open": State.HALF_OPEN}.get(request.route)
+                 "/guard/half-open": State.HALF_OPEN}.get(route)
         if force is not None:
             g.breaker.force(force)
             return Reply(200, json.dumps(g.status()).encode(), "application/json")
-        if request.route == "/guard/alertmanager":
+        if route == "/guard/alertmanager":
             try:
                 pages = pages_for(json.loads(request.body), g.cfg.instance, g.model)
             except ValueError as exc:
@@ -161,7 +194,7 @@ class GuardApp(ForwardApp):
         if request.method != "POST":
             return None
         path = normal_path(request.path)
-        if not path.lower().startswith("/v1/"):
+        if not path.lower().startswith("/v1/") and path.lower() not in GENERATION_ROUTES:
             return None
         query = request.path.partition("?")[2]
         request.path = path + ("?" + query if query else "")
@@ -181,15 +214,13 @@ class GuardApp(ForwardApp):
             g.count(route)
             return None
         encoding = (request.header("Content-Encoding") or "identity").strip().lower()
-        body = salted(request.body) if encoding == "identity" else None
-        if body is None:
+        body = salted(request.body) if encoding == "identity" else f"Content-Encoding {encoding}"
+        if isinstance(body, str):
             if generation:
                 g.count(Route.REFUSED)
-                why = (f"Content-Encoding {encoding}" if encoding != "identity"
-                       else "a body that is not a JSON object")
                 return error(415 if encoding != "identity" else 400,
                              f"the cache-bypass guard is open and cannot add a cache_salt "
-                             f"to {why}: send an uncompressed JSON object")
+                             f"to {body}: send an uncompressed JSON object")
             g.count(Route.UNPROTECTED)
             return None
         request.meta["body"] = body
@@ -210,6 +241,21 @@ class GuardApp(ForwardApp):
             g.breaker.probe_failed()  # an error answer, or one that cannot be replayed
 
 
+def status_counts(body: Any) -> tuple[int, int]:
+    """(anomalies, verified) from a kv-sidecar's ``/status`` (``sidecar.export.summary``):
+    ``anomalies`` is a map kind -> count, summed; ``verified`` a count. Anything else raises
+    ValueError or TypeError naming what is wrong."""
+    if not isinstance(body, dict):
+        raise TypeError("not a kv-sidecar /status: not a JSON object")
+    kinds, verified = body["anomalies"], body["verified"]
+    if not isinstance(kinds, dict) or not all(
+            type(k) is str and type(v) is int and v >= 0 for k, v in kinds.items()):
+        raise TypeError("not a kv-sidecar /status: anomalies is not a map of kind -> count")
+    if type(verified) is not int or verified < 0:
+        raise TypeError("not a kv-sidecar /status: verified is not a count")
+    return sum(kinds.values()), verified
+
+
 class BypassGuard:
     """The guard: breaker, forwarding server, verdict sources and signals."""
 
@@ -225,6 +271,7 @@ class BypassGuard:
             self.metrics.gauge(S.GUARD_STATE, state=st.value).set(int(st is State.CLOSED))
         for r in Route:
             self.metrics.inc(S.GUARD_REQUESTS, 0, route=r.value)
+        self.metrics.inc(S.GUARD_STATUS_FAILURES, 0)
         self.metrics.gauge(S.GUARD_BYPASS_SUPPORTED).set(int(bypass_supported))
         self.verifier = verifier_factory(self._on_verdict) if verifier_factory else None
         if self.verifier is not None:
@@ -301,9 +348,9 @@ class BypassGuard:
                 raw = r.read(STATUS_MAX_BYTES + 1)
             if len(raw) > STATUS_MAX_BYTES:
                 raise ValueError("answer too large")
-            body = json.loads(raw)
-            seen = (int(body["anomalies"]), int(body["verified"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            seen = status_counts(json.loads(raw))
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            self.metrics.inc(S.GUARD_STATUS_FAILURES)
             log.warning("guard: cannot read %s: %s", url, exc)
             return
         last, self._status_seen = self._status_seen, seen

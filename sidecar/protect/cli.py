@@ -188,8 +188,14 @@ def _run(args: argparse.Namespace) -> int:
         breaker=BreakerSettings(args.hold, args.probes, args.probe_every, args.probe_errors))
     guard = BypassGuard(cfg, verifier if supported else None, supported,
                         exporter.metrics).start()
-    http = SidecarServer(guard.metrics.registry, guard.status, host=args.metrics_host,
-                         port=args.metrics_port, token=token).start()
+    try:
+        http = SidecarServer(guard.metrics.registry, guard.status, host=args.metrics_host,
+                             port=args.metrics_port, token=token).start()
+    except OSError as exc:  # the metrics port in use: one line, as for --listen
+        guard.stop()
+        print(f"kv-sidecar guard: error: cannot serve metrics on {args.metrics_host}:"
+              f"{args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"kv-sidecar guard on {guard.url} -> {endpoint.root} (metrics on "
           f"{http.url}/metrics, tolerance {canary.tolerance.value:.3g})", file=sys.stderr,
           flush=True)

@@ -56,7 +56,7 @@ from sidecar.protect.http_messages import (
     header_list,
     parse_head,
 )
-from sidecar.protect.reception import Reception, _Heap, _Incoming
+from sidecar.protect.reception import Heap, Reception, _Incoming
 from sidecar.protect.relay import Relay
 from sidecar.protect.upstream_pool import UpstreamPool
 
@@ -100,7 +100,7 @@ class ForwardServer(Reception, Relay):
         self._lock = threading.Lock()
         self._budget = self.limits.buffer_budget_bytes
         self._held = 0
-        self._heap = _Heap()
+        self._heap = Heap()
         self._sock = socket.create_server(listen, backlog=min(self.limits.max_connections,
                                                               1024))
         self._sock.setblocking(False)

@@ -47,7 +47,7 @@ class _Incoming:
         self.watched = False  # registered with the selector
 
 
-class _Heap:
+class Heap:
     """``malloc_trim(0)`` after large bodies, so their pages go back to the system (glibc
     raises its mmap threshold after a large free and keeps later large blocks in arenas)."""
 
@@ -72,7 +72,7 @@ class Reception:
     _lock: threading.Lock
     _budget: int
     _held: int
-    _heap: _Heap
+    _heap: Heap
     _sock: socket.socket
     _ready: queue.SimpleQueue[_Incoming | None]
     _stop: threading.Event

@@ -28,9 +28,14 @@ GUARD_REQUESTS = _s("guard_requests_total", C,
 GUARD_BYPASS_SUPPORTED = _s("guard_bypass_supported", G,
                             "1 where the server honours cache_salt (the guard can bypass "
                             "its cache), 0 where it can only alert.")
+GUARD_STATUS_FAILURES = _s("guard_status_failures_total", C,
+                           "Reads of the watched sidecar's /status (--sidecar-status) that "
+                           "failed: unreachable, refused, too large, or not a kv-sidecar's "
+                           "status (each also logged). Rising: the guard is not watching.")
 PROXY_REFUSED = _s("proxy_refused_total", C,
                    "Requests a kv-sidecar proxy answered itself with an error, by HTTP "
                    "status (400, 408, 411, 413, 431, 502, 503, 504).", ("status",))
 GUARD_SIGNALS: tuple[Signal, ...] = (GUARD_STATE, GUARD_TRANSITIONS, GUARD_REQUESTS,
-                                     GUARD_BYPASS_SUPPORTED, PROXY_REFUSED)
+                                     GUARD_BYPASS_SUPPORTED, GUARD_STATUS_FAILURES,
+                                     PROXY_REFUSED)
 
