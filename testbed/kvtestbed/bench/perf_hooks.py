@@ -107,7 +107,11 @@ class NoopSink:
 
 def monitor_for(sample_every: int, queue_size: int = 64, **config: Any) -> Monitor:
     """A Monitor on the synthetic adapter with production defaults, the worker not started
-    (hook cost only), and event-triggered allocator checks off (no allocator here)."""
+    (hook cost only), and event-triggered allocator checks off (no allocator here). The start
+    burst is off unless ``config`` sets it: it samples the first 1,000 hits 1 in 10, so an
+    "unsampled" figure over a few thousand calls would count ~100 sampled ones (callgrind
+    counted 33,400 instructions per unsampled hit with it, 4,794 without)."""
+    config.setdefault("burst_hits", 0)
     cfg = SidecarConfig(sample_every=sample_every, queue_size=queue_size,
                         allocator_check_min_interval_s=-1.0, **config)
     return Monitor(SyntheticAdapter(), cfg)
