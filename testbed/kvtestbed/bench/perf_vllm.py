@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -65,15 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sampled hits on the server)")
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _progress(msg: str, quiet: bool = False) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
-
-
 def config_name(n: int) -> str:
     return "events only" if n == 0 else f"on N={n}"
 
@@ -86,55 +76,15 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
             concurrency: int, reference: str, fingerprint_every: int | None = None,
             max_tokens: int = 8) -> dict[str, Any]:
     """Start every configuration, warm each up, run ``pairs`` rounds; the raw figures."""
+    from kvtestbed.bench import perf_servers as P
     from kvtestbed.bench import perf_vllm_server as S
 
     configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
-    started = time.monotonic()
     servers = [S.start(py, model, name.replace(" ", "").replace("=", ""), n, reference,
                        fingerprint_every) for name, n in configs]
-    by_name = dict(zip((c[0] for c in configs), servers, strict=True))
-    try:
-        S.wait_ready(servers, 600)
-        startup_s = time.monotonic() - started
-        _progress(f"bench perf --engine vllm: {len(servers)} servers up in {startup_s:.0f}s")
-        # Warm-up, alike on every server, past the probe's start burst (its first hits
-        # are sampled at a higher rate): the rounds measure the steady state.
-        burst = max(s.burst_hits for s in servers)
-        warm = S.workload(10_000, max(64, requests // 4, burst + 64))
-        for srv in servers:
-            S.drive(srv.url, model, warm, concurrency, max_tokens)
-        after_warmup = {name: S.settled_status(srv) for name, srv in by_name.items()
-                        if srv.sidecar_url}
-        rounds: list[dict[str, Any]] = []
-        for r in range(pairs):
-            prompts = S.workload(r, requests)
-            order = [configs[(r + k) % len(configs)][0] for k in range(len(configs))]
-            runs = {}
-            for name in order:
-                before = S.cpu_by_role(by_name[name])
-                runs[name] = S.drive(by_name[name].url, model, prompts, concurrency,
-                                     max_tokens)
-                after = S.cpu_by_role(by_name[name])
-                runs[name]["cpu_s"] = {k: after[k] - before[k] for k in after}
-            rounds.append({"order": order, "runs": runs})
-            _progress(f"bench perf --engine vllm: round {r + 1}/{pairs}: " + ", ".join(
-                f"{n} {runs[n]['tokens_per_s']:.0f} tok/s" for n, _ in configs))
-        status = {name: {"after_warmup": after_warmup[name], "end": S.settled_status(srv)}
-                  for name, srv in by_name.items() if srv.sidecar_url}
-    finally:
-        S.stop(servers)
-    out: dict[str, Any] = {"startup_s": startup_s, "warmup_requests": len(warm),
-                           "rounds": rounds, "sidecar_status": status, "ratios": {}}
-    for name, n in configs[1:]:
-        per = {k: [rd["runs"][name][m] / rd["runs"]["off"][m] for rd in rounds]
-               for k, m in (("tokens_per_s", "tokens_per_s"), ("p50", "p50_s"),
-                            ("p99", "p99_s"))}
-        off_cpu = [rd["runs"]["off"]["cpu_s"]["vllm"] for rd in rounds]
-        per["vllm_cpu"] = [rd["runs"][name]["cpu_s"]["vllm"] / max(c, 1e-9)
-                           for rd, c in zip(rounds, off_cpu, strict=True)]
-        per["sidecar_cpu"] = [rd["runs"][name]["cpu_s"]["sidecar"] / max(c, 1e-9)
-                              for rd, c in zip(rounds, off_cpu, strict=True)]
-        out["ratios"][ratio_key(n or 0)] = {k: {"pairs": v, **_summary(v)} for k, v in per.items()}
+    out = P.interleaved_rounds("vllm", dict(zip((c[0] for c in configs), servers, strict=True)),
+                               P.openai_api(model), pairs, requests, concurrency, max_tokens)
+    out["ratios"] = {ratio_key(n or 0): out["ratios"][name] for name, n in configs[1:]}
     return out
 
 
@@ -146,40 +96,14 @@ def _delta(status: dict[str, Any], key: str) -> object:
         return "?"
 
 
-def _spread(s: dict[str, float]) -> str:
-    return f"{s['min']:.3g}..{s['max']:.3g} (ratio)"
-
-
 def rows(res: dict[str, Any], ns: list[int]) -> list[Row]:
+    from kvtestbed.bench.perf_pair_rows import pair_rows
+
     out: list[Row] = []
-    rounds = res["rounds"]
-
-    def med(name: str, metric: str) -> float:
-        return statistics.median(rd["runs"][name][metric] for rd in rounds)
-
-    def med_cpu(name: str, role: str) -> float:
-        return statistics.median(rd["runs"][name]["cpu_s"][role] for rd in rounds)
-
     for n in ns:
-        name, q = config_name(n), res["ratios"][ratio_key(n)]
-        target = TARGETS.get(n)
-        t = q["tokens_per_s"]
         what = "KV events + sidecar, no probe," if n == 0 else f"probe + events 1 in {n}"
-        out.append(Row(f"vLLM {what} vs off: tokens/s by wall time",
-                       med(name, "tokens_per_s"), med("off", "tokens_per_s"), "tok/s",
-                       t["median"], f">= {target:g}" if target else "-",
-                       t["median"] >= target if target else None, _spread(t)))
-        for key, label in (("p50", "P50"), ("p99", "P99")):
-            s = q[key]
-            out.append(Row(f"vLLM {what} vs off: request {label} latency",
-                           med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
-                           s["median"], "-", None, _spread(s)))
-        for key, role, label in (("vllm_cpu", "vllm", "vLLM's processes"),
-                                 ("sidecar_cpu", "sidecar", "the sidecar's process")):
-            s = q[key]
-            out.append(Row(f"vLLM {what} vs off: CPU seconds of {label} "
-                           "per run, vs vLLM's off", med_cpu(name, role), med_cpu("off", "vllm"),
-                           "CPU s", s["median"], "-", None, _spread(s)))
+        out += pair_rows(res, config_name(n), res["ratios"][ratio_key(n)], f"vLLM {what}",
+                         "vllm", "vLLM", TARGETS.get(n))
     return out
 
 
@@ -194,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         py = S.find_vllm_python(args.vllm_python)
-    except (S.VllmMissing, OSError) as e:
+    except (S.EngineMissing, OSError) as e:
         print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
         return 2
     ns = list(args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10]))

@@ -76,6 +76,19 @@ def perf_vllm(root: Path) -> str:
         f"{s['load_average_end']} at the end."))
 
 
+def perf_sglang(root: Path) -> str:
+    def tail(s: dict[str, Any]) -> str:
+        out = (f"Medians of {s['pairs']} interleaved pair(s) of {s['requests_per_run']} "
+               f"requests; spread = min..max over pairs; load average "
+               f"{s['load_average_start']} at start, {s['load_average_end']} at the end.")
+        if s.get("canary_failed"):
+            out += (f"\n\nSGLang's `--kv-canary` did not start on this machine, so it has no "
+                    f"row: `{s['canary_failed']}`.")
+        return out
+
+    return _rows(root, "perf-sglang", tail)
+
+
 def reliability(root: Path) -> str:
     doc = load(root, "reliability")
     if doc is None:

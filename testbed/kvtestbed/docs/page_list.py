@@ -31,6 +31,8 @@ def outputs(root: Path) -> list[Output]:
         Output("docs/bench/perf.md", partial(bench_tables.perf, root), region="perf"),
         Output("docs/bench/perf.md", partial(bench_tables.perf_vllm, root),
                region="perf-vllm"),
+        Output("docs/bench/perf.md", partial(bench_tables.perf_sglang, root),
+               region="perf-sglang"),
         Output("docs/bench/reliability.md", partial(bench_tables.reliability, root),
                region="reliability"),
     ]

@@ -1,0 +1,51 @@
+"""The table rows of a real-engine bench (``bench perf --engine vllm|sglang``): for one
+configuration against "off", tokens/s by wall time (with its target, where the issue sets
+one), request P50 and P99, and the CPU seconds of each process group against the engine's
+own off; every figure the median over interleaved pairs, spread min..max
+(:func:`kvtestbed.bench.perf_servers.interleaved_rounds` measured them)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kvtestbed.bench.perf_row import Row
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['min']:.3g}..{s['max']:.3g} (ratio)"
+
+
+def pair_rows(res: dict[str, Any], name: str, ratios: dict[str, Any], title: str,
+              engine: str, engine_label: str, target: float | None,
+              sidecar: bool = True) -> list[Row]:
+    """``name``: the configuration's runs in ``res["rounds"]``; ``ratios``: its per-pair
+    ratios; ``title``: the rows' label (e.g. "vLLM probe + events 1 in 100"); ``engine``:
+    the engine's role in the CPU figures, ``engine_label`` its name in words; ``sidecar``:
+    whether the configuration runs the sidecar (its CPU row)."""
+    rounds = res["rounds"]
+
+    def med(config: str, metric: str) -> float:
+        return statistics.median(rd["runs"][config][metric] for rd in rounds)
+
+    def med_cpu(config: str, role: str) -> float:
+        return statistics.median(rd["runs"][config]["cpu_s"].get(role, 0.0) for rd in rounds)
+
+    t = ratios["tokens_per_s"]
+    out = [Row(f"{title} vs off: tokens/s by wall time", med(name, "tokens_per_s"),
+               med("off", "tokens_per_s"), "tok/s", t["median"],
+               f">= {target:g}" if target else "-",
+               t["median"] >= target if target else None, _spread(t))]
+    for key, label in (("p50", "P50"), ("p99", "P99")):
+        out.append(Row(f"{title} vs off: request {label} latency",
+                       med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
+                       ratios[key]["median"], "-", None, _spread(ratios[key])))
+    roles = [(engine, f"{engine_label}'s processes")]
+    if sidecar:
+        roles.append(("sidecar", "the sidecar's process"))
+    for role, label in roles:
+        s = ratios[f"{role}_cpu"]
+        out.append(Row(f"{title} vs off: CPU seconds of {label} per run, vs {engine_label}'s "
+                       "off", med_cpu(name, role), med_cpu("off", engine), "CPU s",
+                       s["median"], "-", None, _spread(s)))
+    return out

@@ -1,0 +1,74 @@
+"""``kv-sidecar bench perf --engine sglang --quick``, run as a user would: two real SGLang
+servers (SGLang's own radix cache, and the kv-sidecar backend with the tap at 1 in 100 and
+``kv-sidecar sglang serve`` beside it), two interleaved pairs. The ``--kv-canary`` server is
+left out here to keep the stage short (the recorded full run has it, docs/bench/perf.md). The
+machine is loaded, so the test holds the JSON's structure, that every ratio is finite and
+positive and that the tap saw the timed traffic, not the issue's threshold (the full run's)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.sglang.conftest import MEASUREMENTS
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = 40
+
+
+def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "testbed")])}
+    cli = "import sys; from sidecar.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", cli, "bench", "perf", "--engine", "sglang",
+                           *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(1000)
+def test_quick_json_structure() -> None:
+    proc = _run("--quick", "--json", "--sglang-no-canary", "--sglang-requests", str(REQUESTS))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    assert out["settings"]["engine"] == "sglang" and out["settings"]["pairs"] == 2
+    assert out["settings"]["sample_every"] == [100] and out["settings"]["canary"] is False
+    rows = out["rows"]
+    assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
+        "tokens/s by wall time", "request P50 latency", "request P99 latency",
+        "CPU seconds of SGLang's processes per run, vs SGLang's off",
+        "CPU seconds of the sidecar's process per run, vs SGLang's off"]
+    for r in rows:
+        for key in ("sidecar", "baseline", "ratio"):
+            assert math.isfinite(r[key]) and r[key] > 0, r
+        lo, hi = (float(x) for x in r["spread"].split(" ")[0].split(".."))
+        assert 0 < lo <= r["ratio"] <= hi, r
+    assert rows[0]["target"] == "-"  # the target is set at 1 in 1000, not 100
+    raw = out["raw"]["sglang"]
+    assert len(raw["rounds"]) == 2
+    for rd in raw["rounds"]:
+        assert sorted(rd["order"]) == ["off", "tap N=100"]
+        for run in rd["runs"].values():
+            assert run["requests"] == REQUESTS and run["completion_tokens"] == REQUESTS * 8
+            assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
+            assert run["cpu_s"]["sglang"] > 0
+    assert rd["order"] != raw["rounds"][0]["order"]  # rotated: interleaved
+    # The tap was on: the sidecar counted every timed request's lookup, and was quiet.
+    st = raw["sidecar_status"]["tap N=100"]
+    assert st["end"]["lookups"] - st["after_warmup"]["lookups"] >= 2 * REQUESTS
+    assert st["end"]["anomalies"] == {}
+    MEASUREMENTS["bench perf --engine sglang --quick: tokens/s tap/off at N=100"] = (
+        f"{rows[0]['ratio']:.3g} ({rows[0]['spread']}), {out['settings']['seconds']} s")
+
+
+def test_missing_sglang_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = _run("--sglang-python", str(tmp_path / "nothing" / "python"), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "no SGLang environment" in lines[0], proc.stderr
