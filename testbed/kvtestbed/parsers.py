@@ -51,7 +51,8 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--requests", type=positive_int, default=400,
                    help="requests to serve (default: 400)")
     d.add_argument("--sample-every", type=positive_int, default=4, metavar="N",
-                   help="verify 1 hit in every N (default for the demo: 4; production: 1000)")
+                   help="verify 1 hit in every N (default for the demo: 4; a Monitor's "
+                        "default: 1000)")
     d.add_argument("--seed", type=int, default=0, help="seed for model, workload and faults")
     d.add_argument("--port", type=port, default=9464,
                    help="port for /metrics on 127.0.0.1 (0 = any free port; default: 9464)")
