@@ -122,9 +122,11 @@ class Thresholds:
     p99_latency_baseline_factor: float = 2.0
     anomaly_rate: float = 0.0  # any content anomaly is a page
     samples_dropped_ratio: float = 0.10  # dropped / sampled hits, per drop reason
-    # Silence is not health: no verification for this long while at least this many hits
-    # were served (keep it >= 5 x sample_every, or a quiet 1-in-N sampler looks stalled).
+    # Silence is not health: no verification for this long while at least
+    # verification_stall_min_hits hits were served is a stall.
     verification_stale_seconds: float = 600.0
+    # The hits that must have been served for silence to count (keep it >= 5 x
+    # sample_every, or a quiet 1-in-N sampler looks stalled).
     verification_stall_min_hits: float = 5000.0
     # --- fleet (alerts/rules.py fleet rules): replicas of one model on one engine compared.
     # Fewer replicas than this say nothing about "one replica or all of them".

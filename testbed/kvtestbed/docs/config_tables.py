@@ -43,8 +43,12 @@ def config_page() -> str:
            "How the layers work: [Configuration](../operations/configuration.md).", ""]
     for section, keys in schema.sections.items():
         command = COMMANDS.get(section)
-        where = ("every command that runs the sidecar" if command is None
-                 else "`kv-sidecar " + " `, `kv-sidecar ".join(
+        where = ("every command that reads the file (" + ", ".join(
+                     f"`kv-sidecar {c.section} {s}`" if c.section == "vllm"
+                     else f"`kv-sidecar {s}`"
+                     for c in COMMANDS.values() for s in c.subcommands) + ")"
+                 if command is None
+                 else "`kv-sidecar " + "`, `kv-sidecar ".join(
                      f"{section} {s}" if section == "vllm" else s
                      for s in command.subcommands) + "`")
         out += [f"## [{section}]", "", f"Read by {where}. {len(keys)} keys.", ""]
