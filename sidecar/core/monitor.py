@@ -256,11 +256,13 @@ class Monitor(JournaledHooks):
         self.dispatcher.submit(sample)
 
     def _log_hit(self, hit: Hit, seq_id: SequenceId | None, hit_tokens: int | None) -> None:
-        """The lifecycle's hit event, per group: for sampled hits only (O(prefix))."""
+        """The lifecycle's hit event, per group: for sampled hits only (O(prefix)), whose
+        ids and generations ``check_sampled_hit`` has checked (every caller checks first), so
+        the journal does not check them again."""
         for group_id, blocks in hit.blocks.items():
             self.journal.append(lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
                                                 hit.generations.get(group_id, ()),
-                                                hit_tokens))
+                                                hit_tokens, checked=True))
 
     def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
         """Count a rejected hook input (``hook_input_rejected_total{hook,reason}``) through
