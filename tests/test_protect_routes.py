@@ -138,3 +138,11 @@ def test_normal_path() -> None:
     assert normal_path("/a/b/../../../c/") == "/c"
     assert normal_path("http://h:1/v1//x?q") == "/v1/x"
     assert normal_path("/") == "/"
+
+
+def test_a_reply_carries_its_own_reason_phrase() -> None:
+    from sidecar.protect.http_messages import Reply
+
+    assert Reply(401, b"").encode().startswith(b"HTTP/1.1 401 Unauthorized\r\n")
+    assert Reply(200, b"").encode().startswith(b"HTTP/1.1 200 OK\r\n")
+    assert Reply(415, b"").encode().startswith(b"HTTP/1.1 415 Unsupported Media Type\r\n")

@@ -5,6 +5,7 @@ absolute-form targets)."""
 
 from __future__ import annotations
 
+import http
 import re
 import urllib.parse
 from collections.abc import Iterable
@@ -18,6 +19,18 @@ _REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
             431: "Request Header Fields Too Large", 502: "Bad Gateway",
             503: "Service Unavailable", 504: "Gateway Timeout"}
 MAX_HEADERS = 100
+
+
+def _reason(status: int) -> str:
+    """The reason phrase: the standard one (a 401 once went out as "401 OK")."""
+    if status in _REASONS:
+        return _REASONS[status]
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "OK" if 200 <= status < 300 else "Error"
+
+
 _UNUSUAL_PATH = ("%", "//", "/.", "://")  # what normal_path has work to do on
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a field name (RFC 9110 5.6.2)
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CTLs but HTAB (RFC 9110 5.5)
@@ -77,7 +90,7 @@ class Reply:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
     def encode(self) -> bytes:
-        head = [f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'OK')}",
+        head = [f"HTTP/1.1 {self.status} {_reason(self.status)}",
                 f"Content-Type: {self.content_type}", f"Content-Length: {len(self.body)}",
                 "Connection: close", *(f"{k}: {v}" for k, v in self.headers)]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
