@@ -79,7 +79,11 @@ def test_alertmanager_pages_match_this_instance_or_the_fleet_of_its_model() -> N
     fleet = {"alerts": [alert("KVCacheAnomalyFleetWide", model="tiny")]}
     assert pages_for(fleet, "me:9400", "tiny") == ["KVCacheAnomalyFleetWide"]
     assert pages_for(fleet, "me:9400", "other-model") == []
-    for bad in ([], {"alerts": "x"}, "x", None):
+    # the outside tester's: these were answered 200 {"opened": false}, now 400s
+    ok = alert("KVCacheContentAnomaly", instance="me:9400")
+    for bad in ([], {"alerts": "x"}, "x", None, {"alerts": ["firing"]}, {"alerts": [None]},
+                {"alerts": [{"status": "firing", "labels": ["a"]}]},
+                {"alerts": [{"status": 1, "labels": {}}]}, {"alerts": [ok, {"labels": {}}]}):
         with pytest.raises(ValueError):
             pages_for(bad, "me:9400", "tiny")
 

@@ -46,7 +46,10 @@ def test_a_metrics_port_in_use_is_one_line_exit_1() -> None:
 
 
 @pytest.mark.parametrize("flags", [["--hold", "nan"], ["--hold", "inf"], ["--probes", "0"],
-                                   ["--listen", "nohost"], ["--max-body-bytes", "-1"]])
+                                   ["--listen", "nohost"], ["--max-body-bytes", "-1"],
+                                   ["--sidecar-status", "notaurl"],
+                                   ["--sidecar-status", "ftp://127.0.0.1/status"],
+                                   ["--sidecar-status", "http://127.0.0.1:99999/status"]])
 def test_cli_refuses_bad_values(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["guard", "--upstream", "http://127.0.0.1:1", *flags])

@@ -129,11 +129,15 @@ def pages_for(payload: Any, instance: str, model: str) -> list[str]:
         raise ValueError("not an Alertmanager webhook payload (no alerts list)")
     out = []
     for alert in payload["alerts"][:1000]:
-        if not isinstance(alert, dict) or alert.get("status") != "firing":
+        # Alertmanager sends every alert as an object with a status and a labels map: any
+        # other shape is a malformed payload (400), not an alert to skip quietly.
+        if not isinstance(alert, dict) or not isinstance(alert.get("status"), str) \
+                or not isinstance(alert.get("labels"), dict):
+            raise ValueError("each alert must be an object with a status string and a "
+                             "labels object")
+        if alert["status"] != "firing":
             continue
-        labels = alert.get("labels")
-        if not isinstance(labels, dict):
-            continue
+        labels = alert["labels"]
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
             raise ValueError("alert labels must map strings to strings")
         name = labels.get("alertname")

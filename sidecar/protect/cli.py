@@ -48,6 +48,21 @@ def _limited(kind: type, key: str) -> Callable[[str], Any]:
     return _number(kind, limit.low, limit.high)
 
 
+def _status_url(text: str) -> str:
+    """``--sidecar-status``: an http(s) URL with a host (checked at start, not at each poll)."""
+    import urllib.parse
+
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(
+            f"not an http(s) URL with a host: {text!r} (e.g. http://127.0.0.1:9400/status)")
+    return text
+
+
 def _hostport(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -100,7 +115,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--probe-errors", type=_limited(int, "guard.probe_errors"), default=3,
                    help="half-open: this many probes without a verdict (an error answer, "
                         "one that cannot be replayed) open the breaker again")
-    g.add_argument("--sidecar-status", default=None, metavar="URL",
+    g.add_argument("--sidecar-status", default=None, metavar="URL", type=_status_url,
                    help="a kv-sidecar's /status to poll (its anomalies open the breaker)")
     g.add_argument("--poll-every", type=_number(float, 0.05, 3600), default=5.0,
                    help="seconds between reads of --sidecar-status")
