@@ -28,6 +28,13 @@ def test_cli_says_at_start_when_the_server_ignores_cache_salt() -> None:
     assert status["bypass_supported"] is False and status["probe_errors_to_open"] == 6
 
 
+def test_an_upstream_given_with_v1_is_told_to_give_the_root(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["guard", "--upstream", "http://127.0.0.1:1/v1/"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give the server's root" in err[0] and "127.0.0.1:1" in err[0]
+
+
 def test_a_metrics_port_in_use_is_one_line_exit_1() -> None:
     import socket
 

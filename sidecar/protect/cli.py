@@ -152,6 +152,10 @@ def preflight(args: argparse.Namespace) -> tuple[Any, str | None]:
     ValueError with a one-line reason. Deployment tests call it on a manifest's flags."""
     from sidecar.export.server import load_token
 
+    if args.upstream.rstrip("/").lower().endswith("/v1"):
+        raise ValueError(f"--upstream {args.upstream}: give the server's root (the guard "
+                         "forwards every path as the client sent it), e.g. "
+                         f"{args.upstream.rstrip('/')[:-3]}")
     endpoint = parse_endpoint(args.upstream.rstrip("/") + "/v1", args.allow_remote,
                               "the guard forwards users' traffic to it and replays probes")
     token = load_token(args.token_file)
