@@ -168,7 +168,8 @@ def test_ten_thousand_idle_connections_are_bounded_and_then_served() -> None:
             s.sendall(b"POST / HTTP/1.1\r\n")
             socks.append(s)
             assert proxy.held() <= 256
-        assert threading.active_count() == threads
+        # no thread added (a thread an earlier test left may end meanwhile: <=, not ==)
+        assert threading.active_count() <= threads
         _wait_for(lambda: proxy.held() == 0, "the held ones dropped at their deadline")
         assert proxy.rejected.get(503, 0) + proxy.rejected.get(408, 0) == n
         assert proxy.stats["evicted_incomplete"] >= n - 256 * 10  # displaced, never queued

@@ -256,9 +256,7 @@ class Monitor(JournaledHooks):
         self.dispatcher.submit(sample)
 
     def _log_hit(self, hit: Hit, seq_id: SequenceId | None, hit_tokens: int | None) -> None:
-        """The lifecycle's hit event, per group: for sampled hits only (O(prefix)), whose
-        ids and generations ``check_sampled_hit`` has checked (every caller checks first), so
-        the journal does not check them again."""
+        """The lifecycle's hit event per group (sampled hits only), its ids checked already."""
         for group_id, blocks in hit.blocks.items():
             self.journal.append(lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
                                                 hit.generations.get(group_id, ()),

@@ -253,6 +253,8 @@ class SidecarServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self._thread is not None:  # serve_forever has returned: this ends at once
+            self._thread.join(5.0)
 
     def authorized(self, headers: list[str]) -> bool:
         """:func:`bearer_authorized` against this server's token (``None``: open)."""
