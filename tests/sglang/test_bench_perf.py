@@ -45,10 +45,12 @@ def test_quick_json_structure() -> None:
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
         "CPU seconds of the sidecar's process per run, vs SGLang's off"]
     for r in rows:
+        # The sidecar's CPU over a 40-request run can be under /proc's 10 ms tick: 0 then.
+        least = 0.0 if "sidecar's process" in r["figure"] else math.ulp(0.0)
         for key in ("sidecar", "baseline", "ratio"):
-            assert math.isfinite(r[key]) and r[key] > 0, r
+            assert math.isfinite(r[key]) and r[key] >= least, r
         lo, hi = (float(x) for x in r["spread"].split(" ")[0].split(".."))
-        assert 0 < lo <= r["ratio"] <= hi, r
+        assert least <= lo <= r["ratio"] <= hi, r
     assert rows[0]["target"] == "-"  # the target is set at 1 in 1000, not 100
     raw = out["raw"]["sglang"]
     assert len(raw["rounds"]) == 2
