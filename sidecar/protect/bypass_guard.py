@@ -198,11 +198,12 @@ class GuardApp(ForwardApp):
         if request.method != "POST":
             return None
         path = normal_path(request.path)
-        if not path.lower().startswith("/v1/") and path.lower() not in GENERATION_ROUTES:
+        low = path.lower()
+        generation = low in GENERATION_ROUTES
+        if not low.startswith("/v1/") and not generation:
             return None
         query = request.path.partition("?")[2]
         request.path = path + ("?" + query if query else "")
-        generation = path.lower() in GENERATION_ROUTES
         g = self.guard
         route = g.breaker.route()
         if route is not Route.FORWARDED and not g.bypass_supported:
