@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,11 +52,17 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
 
     got: dict[str, list] = {"lookups": [], "capture": [], "stores": [], "frees": [],
                             "census": []}
+    order: list[str] = []  # message kinds as the sidecar received them
+
+    def on(kind: str, item: Any, many: bool = False) -> None:
+        order.append(kind)
+        got[kind].extend(item) if many else got[kind].append(item)
+
     endpoint = f"ipc://{sockdir}/p.sock"
     rx = ProbeReceiver(endpoint, Metrics("sglang", "tiny"),
-                       lambda items: got["lookups"].extend(items),
-                       lambda cap: got["capture"].append(cap), groups=[0],
-                       handlers={k: (lambda m, k=k: got[k].append(m))
+                       lambda items: on("lookups", items, many=True),
+                       lambda cap: on("capture", cap), groups=[0],
+                       handlers={k: (lambda m, k=k: on(k, m))
                                  for k in ("stores", "frees", "census")}).start()
     try:
         pool = FakePool(64)
@@ -76,7 +83,7 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
         tap.cleared()  # a cache flush: the one block still stored (37) is freed
         # Wait before closing: the pipe closes with linger 0 (an engine never waits on its
         # way out), so on a loaded machine a close right away can drop what is still queued.
-        _wait(lambda: len(got["census"]) == 1 and len(got["frees"]) == 2 and
+        _wait(lambda: len(got["census"]) == 1 and len(got["frees"]) == 1 and
               sum(len(m["items"]) for m in got["stores"]) == 4)
         tap.close()
     finally:
@@ -94,7 +101,11 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
     for (g, i), (k, v) in cap.kv.items():
         want = torch.stack([b[path[i * BS:(i + 1) * BS]] for b in pool.k_buffer]).transpose(1, 2)
         assert g == 0 and torch.equal(k, want) and v.shape == k.shape == (2, 2, BS, 8)
-    assert [m["ids"] for m in got["frees"]] == [[33, 41], [37]]
+    # One message per run of a kind, in the order things happened: the two inserts' stores
+    # in one message and request a's lookup ahead of the capture (request b) that names
+    # their blocks, the census behind them, the free and the flush's free together.
+    assert order == ["stores", "lookups", "capture", "census", "frees"], order
+    assert [m["ids"] for m in got["frees"]] == [[33, 41, 37]]
     census = __import__("sidecar.adapters.sglang.census", fromlist=["x"]).decode_census(
         got["census"][0])
     assert census.total == 64 and int(census.free.sum()) == 52 and census.evictable == 12
@@ -112,6 +123,35 @@ def _census(free: list[int], tree: list[int], allocated: list[int], total: int =
     return Census(total, len(free) if free_len is None else free_len, bits(free), len(tree),
                   bits(tree), bits(allocated),
                   len(tree) - protected if evictable is None else evictable, protected, idle)
+
+
+def test_the_last_release_ships_the_batched_lookups(sockdir: Path) -> None:
+    """Lookups travel in batches; a server going quiet (its last request released) must not
+    keep them back, where the hit-rate audit cannot count them."""
+    from sidecar.adapters.vllm.receiver import ProbeReceiver
+    from sidecar.export.metrics import Metrics
+
+    got: list[tuple[int, int]] = []
+    endpoint = f"ipc://{sockdir}/p.sock"
+    rx = ProbeReceiver(endpoint, Metrics("sglang", "tiny"), got.extend, lambda cap: None,
+                       groups=[0]).start()
+    try:
+        tap = SglangTap(endpoint, BS, sample_every=10**9, census_every_s=3600)
+        tap.attach(FakePool(64), 64, "0.5.23", "tiny")
+        path = torch.arange(30, 42)
+        for rid in ("a", "b", "c"):
+            tap.admitted(rid, list(range(12)), 8, path[:8], key_fields(None, None))
+        tap.released("a")
+        tap.released("b")
+        time.sleep(0.3)  # a message sent now would have arrived: none was
+        assert got == []
+        tap.released("c")  # the last one out
+        _wait(lambda: len(got) == 3, 60.0)
+        assert len(got) == 3  # before close (which flushes too)
+        tap.close()
+    finally:
+        rx.stop()
+    assert [tuple(x) for x in got] == [(12, 8)] * 3
 
 
 def test_census_clean_and_each_invariant_named() -> None:

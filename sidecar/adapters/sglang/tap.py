@@ -13,7 +13,15 @@ store always reaches the sidecar before a hit that names it):
 * ``frees``: block ids whose last slot went back to the allocator (evicted, or freed);
 * ``lookups`` / ``capture``: one lookup per admitted request (what SGLang itself counts as
   the request's cached tokens), and for 1 in ``sample_every`` hits the K/V of the chosen
-  blocks, copied while the request still holds them;
+  blocks, copied while the request still holds them.
+
+Stores, frees and lookups wait in one ordered outbox (consecutive items of a kind share a
+message) and leave together: before a capture or a census (so the sidecar has every event
+that came before what it checks), when 64 items wait, and when the last admitted request
+is released (a server going quiet keeps nothing back). A message per event cost the
+scheduler a ZMQ send each (the largest share of the tap in a py-spy profile of the
+scheduler); the slot maps are NumPy arrays for the same reason (a torch op per
+allocation or free costs several microseconds of dispatch).
 * ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
   tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
   invariant checks.
@@ -40,6 +48,7 @@ from sidecar.core.sampling import UniformSampler
 log = logging.getLogger(__name__)
 
 _MAX_TRACKED = 10_000  # requests admitted and not yet released (bounded memory)
+OUTBOX_ITEMS = 64  # stores, frees and lookups held back at most before they are sent
 
 
 def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
@@ -47,12 +56,20 @@ def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
     return {"extra_key": str(extra_key or ""), "cache_salt": str(cache_salt or "")}
 
 
-def bitmap(slots: torch.Tensor, size: int) -> bytes:
+def bitmap(slots: torch.Tensor | np.ndarray, size: int) -> bytes:
     """``slots`` (ids in ``[0, size)``) as a packed bitmap of ``size`` bits."""
     bits = np.zeros(size, dtype=bool)
-    if slots.numel():
-        bits[slots.detach().cpu().numpy().astype(np.int64)] = True
+    ids = _ids(slots)
+    if ids.size:
+        bits[ids] = True
     return bytes(np.packbits(bits).tobytes())
+
+
+def _ids(slots: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Slot ids as a flat int64 NumPy array (a CPU tensor's memory is shared, not copied)."""
+    if isinstance(slots, np.ndarray):
+        return slots.reshape(-1).astype(np.int64, copy=False)
+    return slots.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
 
 
 class SglangTap:
@@ -70,19 +87,21 @@ class SglangTap:
         self.pipe = Pipe(endpoint, pipe_hwm)
         self.errors = 0
         self._admitted: OrderedDict[str, None] = OrderedDict()
-        self._lookups: list[list[int]] = []
+        # (kind, items) in the order things happened; see the module docstring
+        self._outbox: list[tuple[str, list[Any]]] = []
+        self._waiting = 0  # items in the outbox
         self._next_census = 0.0
         self.pool: Any = None
         self.size = 0
-        self._is_block = torch.zeros(0, dtype=torch.bool)  # slot -> names a stored block
-        self._allocated = torch.zeros(0, dtype=torch.bool)  # slot -> handed out, not freed
+        self._is_block = np.zeros(0, dtype=bool)  # slot -> names a stored block
+        self._allocated = np.zeros(0, dtype=bool)  # slot -> handed out, not freed
 
     # ------------------------------------------------------------------ set-up
     def attach(self, pool: Any, size: int, engine_version: str, model: str) -> None:
         self.pool = pool
         self.size = int(size) + 1  # SGLang's slot 0 is a padding slot; ids are 1..size
-        self._is_block = torch.zeros(self.size, dtype=torch.bool)
-        self._allocated = torch.zeros(self.size, dtype=torch.bool)
+        self._is_block = np.zeros(self.size, dtype=bool)
+        self._allocated = np.zeros(self.size, dtype=bool)
         k0 = pool.k_buffer[0]
         self.pipe.send_message(
             "hello", sglang=engine_version, model=model,
@@ -117,9 +136,8 @@ class SglangTap:
                 block_id = int(slots[lo + bs - 1])
                 items.append([block_id, lo, block_tokens, before, fields])
             if items:
-                ids = torch.tensor([i[0] for i in items], dtype=torch.int64)
-                self._is_block[ids] = True
-                self.pipe.send_message("stores", items=items)
+                self._is_block[np.array([i[0] for i in items], dtype=np.int64)] = True
+                self._post("stores", items)
         except Exception:
             self._failed("insert")
 
@@ -144,19 +162,25 @@ class SglangTap:
                 kv = [(0, r.index, r.block_id, *self._read(slots[r.index * bs:
                                                               (r.index + 1) * bs]))
                       for r in refs]
-                self._flush_lookups()
+                self.flush()
                 self.pipe.send_message("capture", key_fields=fields, **capture_fields(
                     f"{rid}"[:200], "hit", None, prompt[:hit_tokens], len(prompt),
                     hit_tokens, {0: list(hit.blocks[0])}, kv))
             else:
-                self._lookups.append([len(prompt), int(hit_tokens)])
-                if len(self._lookups) >= 64:
-                    self._flush_lookups()
+                self._post("lookups", [[len(prompt), int(hit_tokens)]])
         except Exception:
             self._failed("admit")
 
     def released(self, rid: str) -> None:
-        self._admitted.pop(rid, None)
+        """A request let go of its slots. The last one out flushes the batched lookups: a
+        server going quiet must not keep up to 63 of them in the engine process, where the
+        hit-rate audit cannot see them (under load the census flushes once a second)."""
+        try:
+            self._admitted.pop(rid, None)
+            if not self._admitted:
+                self.flush()
+        except Exception:
+            self._failed("release")
 
     def _read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` for every layer, as (layers, kv_heads, tokens, head_dim)."""
@@ -165,10 +189,25 @@ class SglangTap:
         v = torch.stack([buf[idx] for buf in self.pool.v_buffer]).transpose(1, 2)
         return k.contiguous().cpu(), v.contiguous().cpu()
 
-    def _flush_lookups(self) -> None:
-        if self._lookups:
-            items, self._lookups = self._lookups, []
-            self.pipe.send_message("lookups", items=items)
+    def _post(self, kind: str, items: list[Any]) -> None:
+        """Queue ``items`` of ``kind`` behind everything queued before them."""
+        box = self._outbox
+        if box and box[-1][0] == kind:
+            box[-1][1].extend(items)
+        else:
+            box.append((kind, items))
+        self._waiting += len(items)
+        if self._waiting >= OUTBOX_ITEMS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what waits in the outbox, in order, a message per run of one kind."""
+        box, self._outbox, self._waiting = self._outbox, [], 0
+        for kind, items in box:
+            if kind == "frees":
+                self.pipe.send_message(kind, ids=items)
+            else:
+                self.pipe.send_message(kind, items=items)
 
     # ------------------------------------------------------------------ allocator events
     def allocated(self, slots: torch.Tensor | None) -> None:
@@ -176,21 +215,20 @@ class SglangTap:
             if slots is None:
                 self.pipe.send_message("alloc_failed", n=1)
                 return
-            self._allocated[slots.reshape(-1).cpu()] = True
+            self._allocated[_ids(slots)] = True
         except Exception:
             self._failed("alloc")
 
     def freed(self, slots: torch.Tensor) -> None:
         try:
-            idx = slots.reshape(-1).cpu().to(torch.int64)
-            if not idx.numel():
+            idx = _ids(slots)
+            if not idx.size:
                 return
             self._allocated[idx] = False
             ids = idx[self._is_block[idx]]
-            if ids.numel():
+            if ids.size:
                 self._is_block[ids] = False
-                self._flush_lookups()
-                self.pipe.send_message("frees", ids=[int(i) for i in ids.tolist()])
+                self._post("frees", ids.tolist())
         except Exception:
             self._failed("free")
 
@@ -198,11 +236,11 @@ class SglangTap:
         """The allocator was reset (a cache flush): every slot is free, no block stored."""
         try:
             self._allocated[:] = False
-            ids = torch.nonzero(self._is_block).reshape(-1)
+            ids = np.flatnonzero(self._is_block)
             self._is_block[:] = False
-            if ids.numel():
-                self._flush_lookups()
-                self.pipe.send_message("frees", ids=[int(i) for i in ids.tolist()])
+            if ids.size:
+                self._post("frees", ids.tolist())
+            self.flush()
         except Exception:
             self._failed("clear")
 
@@ -216,12 +254,11 @@ class SglangTap:
         ``held_back``: frees SGLang has taken but not yet applied (a free group)."""
         try:
             self._next_census = time.monotonic() + self.census_every_s
-            self._flush_lookups()
-            free = free_slots.reshape(-1).cpu().to(torch.int64)
-            tree = tree_slots.reshape(-1).cpu().to(torch.int64)
+            self.flush()
+            free, tree = _ids(free_slots), _ids(tree_slots)
             self.pipe.send_message(
-                "census", total=self.size - 1, free_len=int(free.numel()),
-                free=bitmap(free, self.size), tree_len=int(tree.numel()),
+                "census", total=self.size - 1, free_len=int(free.size),
+                free=bitmap(free, self.size), tree_len=int(tree.size),
                 tree=bitmap(tree, self.size),
                 allocated=bitmap(self._handed_out(held_back), self.size),
                 evictable=int(evictable), protected=int(protected), idle=bool(idle),
@@ -229,12 +266,12 @@ class SglangTap:
         except Exception:
             self._failed("census")
 
-    def _handed_out(self, held_back: torch.Tensor | None) -> torch.Tensor:
-        mask = self._allocated.clone()
+    def _handed_out(self, held_back: torch.Tensor | None) -> np.ndarray:
+        mask = self._allocated.copy()
         if held_back is not None and held_back.numel():
-            mask[held_back.reshape(-1).cpu().to(torch.int64)] = False
-        return torch.nonzero(mask).reshape(-1)
+            mask[_ids(held_back)] = False
+        return np.flatnonzero(mask)
 
     def close(self) -> None:
-        self._flush_lookups()
+        self.flush()
         self.pipe.close()
