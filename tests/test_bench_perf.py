@@ -28,6 +28,17 @@ def test_bench_perf_quick_json_has_every_figure() -> None:
         assert math.isfinite(r["baseline"]) and r["baseline"] > 0, r
     assert set(out["raw"]) >= {"hooks", "engine", "checks", "events", "memory",
                                "verification_latency", "tail"}
+    # N=1000 is the steady state: a run shorter than the start burst (the first 1,000 hits
+    # sampled 1 in 10) measured 1 in 10 under N=1000's name until the burst got a row of
+    # its own; each configuration's samples say which rate it really ran at.
+    engine = out["raw"]["engine"]
+    burst = next(k for k in engine if "after a start" in k)
+    assert any("after a start" in f for f in figures)
+    for hits, samples in zip(engine["N=1000"]["hits"], engine["N=1000"]["samples"],
+                             strict=True):
+        assert samples <= hits // 1000 + 1, (hits, samples)
+    for hits, samples in zip(engine[burst]["hits"], engine[burst]["samples"], strict=True):
+        assert hits >= 10 and samples >= hits // 10, (hits, samples)
 
 
 def test_bench_perf_rejects_an_unknown_figure() -> None:
