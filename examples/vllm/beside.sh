@@ -8,7 +8,10 @@
 # REFERENCE (engine | hf), REQUESTS (60), RUN (a directory for sockets and logs),
 # PY (the python of the vLLM environment; the sidecar package must be installed there for
 # the in-engine probe), SIDECAR_PY (the sidecar's python; defaults to PY),
-# KEEP_RUNNING=1 to leave both running (Ctrl-C stops them).
+# KEEP_RUNNING=1 to leave both running (Ctrl-C stops them),
+# PROFILE_OUT=FILE to calibrate: this vLLM is trusted, and the sidecar writes the noise floor
+# it measured to FILE when it stops (load it later with --calibration-profile FILE;
+# PROFILE_MIN_BLOCKS, default 64: the clean blocks an entry needs).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${MODEL:?set MODEL to a checkpoint directory (examples/vllm/make_tiny_model.py)}"
@@ -23,6 +26,11 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-1}"
 mkdir -p "$RUN"
 VLLM_URL="http://127.0.0.1:$VLLM_PORT" SIDECAR_URL="http://127.0.0.1:$SIDECAR_PORT"
+
+PROFILE_ARGS=()
+if [[ -n "${PROFILE_OUT:-}" ]]; then
+    PROFILE_ARGS=(--write-profile "$PROFILE_OUT" --profile-min-blocks "${PROFILE_MIN_BLOCKS:-64}")
+fi
 
 pids=()
 cleanup() {
@@ -48,7 +56,7 @@ pids+=($!)
     --block-size "$BLOCK" --probe "ipc://$RUN/probe.sock" --events "ipc://$RUN/events.sock" \
     --replay "ipc://$RUN/replay.sock" --metrics-url "$VLLM_URL/metrics" \
     --engine-url "$VLLM_URL" --reference "$REFERENCE" --port "$SIDECAR_PORT" \
-    --poll-every 1 > "$RUN/sidecar.log" 2>&1 &
+    --poll-every 1 "${PROFILE_ARGS[@]}" > "$RUN/sidecar.log" 2>&1 &
 pids+=($!)
 
 wait_for() {  # url, seconds

@@ -27,11 +27,17 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar.checks.tolerance import REFERENCE_KINDS, STORAGE_TOLERANCES, TOLERANCES
+from sidecar.checks.tolerance import (
+    REFERENCE_KINDS,
+    STORAGE_TOLERANCES,
+    TOLERANCES,
+    min_tolerance,
+)
 from sidecar.config.toml_file import FileMissing, FileProblem, read_small_file
 from sidecar.core.protocol import WritePath
 
@@ -202,3 +208,48 @@ def save_profile(path: str | os.PathLike[str], profile: Profile) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def measured_entries(states: Iterable[Any], *, reference: str, dtype: str, model: str,
+                     kv_storage: str | None, engine: str, multiple: float,
+                     min_blocks: int) -> list[ProfileEntry]:
+    """The profile entries a trusted run measured: one per write path with at least
+    ``min_blocks`` clean blocks, and the ``all`` entry over every block (for blocks stored
+    without a path). ``states`` are the run's :class:`~sidecar.checks.calibration.FloorState`
+    (its tolerance held at the hard table, so nothing learnt could hide a block); those of
+    other reference kinds are skipped. ``ValueError`` when fewer than ``min_blocks`` clean
+    blocks were verified in all. One function for every engine: ``kv-sidecar calibrate``
+    (the reference engines) and ``kv-sidecar vllm serve --write-profile``."""
+    by_path = {s.write_path: s for s in states if s.reference == reference}
+    total = by_path["all"].clean_blocks if "all" in by_path else 0
+    if total < min_blocks:
+        raise ValueError(f"only {total} clean blocks verified (at least {min_blocks} needed)")
+    ceiling = by_path["all"].ceiling
+    minimum = min_tolerance(dtype)
+    return [ProfileEntry(model=model, dtype=dtype, reference=reference, floor=s.clean_max,
+                         tolerance=min(ceiling, max(minimum, multiple * s.clean_max)),
+                         blocks=s.clean_blocks, multiple=multiple, write_path=path,
+                         kv_storage=kv_storage, engine=engine)
+            for path, s in sorted(by_path.items())
+            if path == "all" or s.clean_blocks >= min_blocks]
+
+
+def profile_to_extend(path: str | os.PathLike[str], replace: bool, flag: str) -> Profile:
+    """The profile new entries will be merged into: ``path``'s (empty when it does not exist
+    yet, or when ``replace``). Called before a calibration run starts, so a file that is not
+    a profile stops it at once (:class:`ProfileError`, naming ``flag`` to overwrite it)
+    rather than after the run, and is never overwritten by accident."""
+    if replace:
+        return Profile(())
+    try:
+        return load_profile(path)
+    except ProfileError as exc:
+        if "no such file" in str(exc):
+            return Profile(())
+        raise ProfileError(f"{exc} (use {flag} to overwrite it)") from None
+
+
+def save_entries(path: str | os.PathLike[str], entries: Iterable[ProfileEntry],
+                 base: Profile) -> None:
+    """Write ``base`` with ``entries`` replacing those of the same key (atomically)."""
+    save_profile(path, base.merged(Profile(tuple(entries), str(path))))

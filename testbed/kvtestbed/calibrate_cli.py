@@ -20,13 +20,13 @@ import sys
 from typing import Any
 
 from sidecar.checks.calibration_profile import (
-    Profile,
     ProfileEntry,
     ProfileError,
-    load_profile,
-    save_profile,
+    measured_entries,
+    profile_to_extend,
+    save_entries,
 )
-from sidecar.checks.tolerance import DEFAULT_CALIBRATION_SAMPLES, min_tolerance
+from sidecar.checks.tolerance import DEFAULT_CALIBRATION_SAMPLES
 from sidecar.cli.arg_types import positive_int
 
 MODELS = ("reference", "hybrid", "recurrent")
@@ -88,36 +88,25 @@ def measure(model: str, dtype: str, requests: int, seed: int, multiple: float,
     if flagged:
         raise ValueError(f"{model}/{dtype}: the calibration run flagged {flagged} anomalies "
                          f"({summary['anomalies']}): not a trusted engine, no profile written")
-    kind = monitor.verifier.reference_kind
-    states = {s.write_path: s for s in monitor.verifier.calibration.states()
-              if s.reference == kind}  # "all": every block (calibration.Calibration.observe)
-    total = states["all"].clean_blocks if "all" in states else 0
-    if total < min_blocks:
-        raise ValueError(f"{model}/{dtype}: only {total} clean blocks verified "
-                         f"(--min-blocks {min_blocks}); raise --requests")
-    floors = {path: (s.clean_max, s.clean_blocks) for path, s in states.items()
-              if path == "all" or s.clean_blocks >= min_blocks}
-    info, ceiling = monitor.info, states["all"].ceiling
-    return [ProfileEntry(model=info.model, dtype=dtype, reference=kind, floor=floor,
-                         tolerance=min(ceiling, max(min_tolerance(dtype), multiple * floor)),
-                         blocks=blocks, multiple=multiple, write_path=path,
-                         kv_storage=info.kv_storage, engine=info.engine)
-            for path, (floor, blocks) in sorted(floors.items())]
+    info = monitor.info
+    try:
+        return measured_entries(monitor.verifier.calibration.states(),
+                                reference=monitor.verifier.reference_kind, dtype=dtype,
+                                model=info.model, kv_storage=info.kv_storage,
+                                engine=info.engine, multiple=multiple, min_blocks=min_blocks)
+    except ValueError as exc:
+        raise ValueError(f"{model}/{dtype}: {exc}; raise --requests") from None
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     if not (args.multiple >= 1 and args.multiple < float("inf")):
         print("kv-sidecar: error: --multiple must be a finite number >= 1", file=sys.stderr)
         return 2
-    old = Profile(())
-    if not args.replace:
-        try:
-            old = load_profile(args.out)
-        except ProfileError as exc:
-            if "no such file" not in str(exc):
-                print(f"kv-sidecar: error: {exc} (use --replace to overwrite it)",
-                      file=sys.stderr)
-                return 2
+    try:
+        base = profile_to_extend(args.out, args.replace, "--replace")
+    except ProfileError as exc:
+        print(f"kv-sidecar: error: {exc}", file=sys.stderr)
+        return 2
     entries = []
     for model in args.model:
         for dtype in args.dtype:
@@ -132,6 +121,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 print(f"{entry.model:<12} {dtype:<9} {entry.reference:<11} "
                       f"{entry.write_path:<8} floor {entry.floor:.3g} over {entry.blocks} "
                       f"clean blocks -> tolerance {entry.tolerance:.3g}", flush=True)
-    save_profile(args.out, old.merged(Profile(tuple(entries), str(args.out))))
+    save_entries(args.out, entries, base)
     print(f"wrote {args.out} ({len(entries)} entries)")
     return 0

@@ -44,7 +44,8 @@ def _sample(metrics: str, name: str) -> float:
 def test_beside_the_openai_server(tiny_model: str, sockdir: Path) -> None:
     env = _env(MODEL=tiny_model, DTYPE="float32", PY=sys.executable, RUN=str(sockdir),
                VLLM_PORT=str(_free_port()), SIDECAR_PORT=str(_free_port()),
-               SAMPLE_EVERY="2", REQUESTS="48")
+               SAMPLE_EVERY="2", REQUESTS="48", PROFILE_OUT=str(sockdir / "profile.json"),
+               PROFILE_MIN_BLOCKS="16")
     proc = subprocess.run(["bash", str(EXAMPLES / "beside.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=420)
     logs = "".join((sockdir / f).read_text()[-3000:] for f in ("vllm.log", "sidecar.log")
@@ -67,6 +68,21 @@ def test_beside_the_openai_server(tiny_model: str, sockdir: Path) -> None:
     assert _sample(metrics, S.BLOCKS.name) > 0
     assert _sample(metrics, S.REQUEST_LATENCY.name + "_count") >= 48
     MEASUREMENTS["beside: sampled hits verified (engine reference)"] = status["sampled"]
+    # PROFILE_OUT: the run was a calibration of a trusted vLLM; the sidecar wrote what it
+    # measured when the script stopped it, in the file --calibration-profile loads.
+    from sidecar.checks.calibration_profile import load_profile
+
+    profile = load_profile(sockdir / "profile.json")
+    by_path = {e.write_path: e for e in profile.entries}
+    assert {e.reference for e in profile.entries} == {"engine"}
+    assert {e.dtype for e in profile.entries} == {"float32"}
+    assert "all" in by_path and by_path["all"].blocks == status["verified"]
+    assert "prefill" in by_path  # the probe reports each block's write path
+    for e in profile.entries:
+        assert 0 <= e.floor <= e.tolerance and e.blocks >= 16, e
+    assert "wrote " in (sockdir / "sidecar.log").read_text()
+    MEASUREMENTS["beside: calibration profile written (path: floor over blocks)"] = {
+        p: (e.floor, e.blocks) for p, e in by_path.items()}
 
 
 def test_in_process_with_vllm_llm(tiny_model: str, tmp_path: Path) -> None:

