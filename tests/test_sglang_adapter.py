@@ -188,3 +188,34 @@ def test_engine_args_name_the_backend_and_the_tap_config(capsys: pytest.CaptureF
     assert name == "KVSIDECAR_SGLANG_TAP"
     assert cfg["endpoint"] == "ipc:///tmp/kvs-x.sock" and cfg["sample_every"] == 10
     assert "--radix-cache-backend kv-sidecar" in out[1]
+
+
+def test_tap_stats_move_the_counters_by_what_grew_per_tap() -> None:
+    """Each SGLang process's tap reports cumulative counts; the sidecar adds what grew, per
+    sender, and a tap that restarted (its count went back) starts again from 0."""
+    from types import SimpleNamespace
+
+    from sidecar import signals as S
+    from sidecar.adapters.sglang.service import SglangSidecar
+    from sidecar.adapters.vllm.wire import WireError
+    from sidecar.export.metrics import Metrics
+
+    m = Metrics("sglang", "tiny")
+    m.register(S.SGLANG_SIGNALS)
+    sc = SimpleNamespace(metrics=m, _taps={}, tap_errors=0, tap_seconds=0.0)
+
+    def stats(src: str, errors: int, busy_ns: int) -> None:
+        SglangSidecar._on_tap_stats(sc, {"src": src, "errors": errors, "busy_ns": busy_ns})
+
+    stats("a", 0, 2_000_000_000)
+    stats("a", 1, 3_000_000_000)
+    stats("b", 2, 500_000_000)  # a second scheduler process
+    stats("a", 0, 250_000_000)  # tap a restarted: counts from 0 again
+    assert sc.tap_seconds == pytest.approx(3.0 + 0.5 + 0.25)
+    assert m.value(S.SGLANG_TAP_SECONDS.name) == pytest.approx(3.75)
+    assert sc.tap_errors == 3 and m.value(S.HOOK_ERRORS.name, hook="sglang_tap") == 3
+    for bad in ({"errors": -1, "busy_ns": 0}, {"errors": 0, "busy_ns": 1.5},
+                {"errors": True, "busy_ns": 0}, {"errors": 0}):
+        with pytest.raises(WireError):
+            SglangSidecar._on_tap_stats(sc, {"src": "a", **bad})
+    assert sc.tap_seconds == pytest.approx(3.75)  # refused messages change nothing

@@ -43,7 +43,12 @@ def test_quick_json_structure() -> None:
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
-        "CPU seconds of the sidecar's process per run, vs SGLang's off"]
+        "CPU seconds of the sidecar's process per run, vs SGLang's off",
+        "the tap's own time on SGLang's thread per request, vs SGLang's CPU per request (off)"]
+    tap_row = rows.pop()
+    # The tap timed itself on SGLang's thread: some time per request, well under SGLang's
+    # whole CPU per request.
+    assert tap_row["sidecar"] > 0 and 0 < tap_row["ratio"] < 1, tap_row
     for r in rows:
         # The sidecar's CPU over a 40-request run can be under /proc's 10 ms tick: 0 then.
         least = 0.0 if "sidecar's process" in r["figure"] else math.ulp(0.0)

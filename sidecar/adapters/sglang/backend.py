@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from time import perf_counter_ns as clock
 from typing import Any
 
 from sidecar.adapters.sglang.tap import SglangTap, key_fields
@@ -105,23 +106,31 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     through the wrappers too; the class, and every ``isinstance`` check, stay SGLang's."""
     allocator = tree.token_to_kv_pool_allocator
     alloc, free = allocator.alloc, allocator.free
+    # Each hook adds the time its own work took (SGLang's wrapped call excluded) to
+    # tap.busy_ns: the tap's cost on SGLang's thread, exported beside SGLang's CPU.
 
     def alloc_hook(need_size: int) -> Any:
         out = alloc(need_size)
+        t0 = clock()
         tap.allocated(out)
+        tap.busy_ns += clock() - t0
         return out
 
     def free_hook(free_index: Any) -> Any:
         out = free(free_index)
+        t0 = clock()
         if getattr(allocator, "free_group", None) is None:  # not deferred: freed now
             tap.freed(free_index)
+        tap.busy_ns += clock() - t0
         return out
 
     clear = allocator.clear
 
     def clear_hook() -> Any:  # /flush_cache: every slot free again, the tree reset
         out = clear()
+        t0 = clock()
         tap.cleared()
+        tap.busy_ns += clock() - t0
         return out
 
     allocator.alloc, allocator.free, allocator.clear = alloc_hook, free_hook, clear_hook
@@ -129,11 +138,14 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     match_prefix = tree.match_prefix
 
     def match_hook(params: Any) -> Any:
+        t0 = clock()
         _census(tree, tap)  # before scheduling a request: no free group open
+        tap.busy_ns += clock() - t0
         return match_prefix(params)
 
     def insert_hook(params: Any) -> Any:
         result = insert(params)
+        t0 = clock()
         try:
             key = params.key
             if key is not None and not getattr(key, "is_bigram", False):
@@ -142,9 +154,11 @@ def attach(tree: Any, tap: SglangTap) -> Any:
                              key_fields(key.extra_key, key.cache_salt))
         except Exception:
             tap._failed("insert hook")
+        tap.busy_ns += clock() - t0
         return result
 
     def checkpoint_hook(req: Any, *, up_to: int, **kwargs: Any) -> Any:
+        t0 = clock()
         try:
             if req.rid not in tap._admitted:
                 hit = int(getattr(req, "cached_tokens", 0) or 0)
@@ -153,12 +167,16 @@ def attach(tree: Any, tap: SglangTap) -> Any:
                              key_fields(req.extra_key, req.cache_salt))
         except Exception:
             tap._failed("checkpoint hook")
+        t1 = clock()
         out = checkpoint(req, up_to=up_to, **kwargs)
+        t2 = clock()
         _census(tree, tap)
+        tap.busy_ns += t1 - t0 + clock() - t2
         return out
 
     def on_release_hook(req: Any, *, checkpointed: bool) -> Any:
         out = on_release(req, checkpointed=checkpointed)
+        t0 = clock()
         try:
             if req.rid not in tap._admitted:  # released without a checkpoint (aborted)
                 tap.admitted(req.rid, list(req.origin_input_ids), 0, _empty(),
@@ -167,6 +185,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
         except Exception:
             tap._failed("release hook")
         _census(tree, tap)
+        tap.busy_ns += clock() - t0
         return out
 
     tree.insert, tree.checkpoint, tree.on_release = insert_hook, checkpoint_hook, on_release_hook

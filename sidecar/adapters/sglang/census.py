@@ -48,7 +48,6 @@ class Census:
     evictable: int
     protected: int
     idle: bool
-    tap_errors: int = 0
 
     def state(self) -> AllocatorState:
         """Counts for the sidecar's allocator signals, in slots (SGLang's unit)."""
@@ -80,7 +79,7 @@ def decode_census(msg: dict[str, Any]) -> Census:
     return Census(total, num("free_len"), _bits(msg.get("free"), size, "free"),
                   num("tree_len"), _bits(msg.get("tree"), size, "tree"),
                   _bits(msg.get("allocated"), size, "allocated"), num("evictable"),
-                  protected, bool(msg.get("idle")), num("tap_errors"))
+                  protected, bool(msg.get("idle")))
 
 
 def _slots(mask: np.ndarray) -> str:

@@ -125,7 +125,9 @@ class SglangSidecar:
         self.metrics = self.monitor.metrics
         self.metrics.register(S.SGLANG_SIGNALS)
         self.counted_hit_tokens = 0
-        self.tap_errors = 0
+        self.tap_errors = 0  # the taps' own errors and time on SGLang's thread, summed
+        self.tap_seconds = 0.0
+        self._taps: dict[str, tuple[int, int]] = {}  # src -> (errors, busy_ns) last reported
         self.census_checks = 0
         self.freed_blocks = 0  # stored blocks the tap saw freed (evicted)
         self.engine_mismatches: list[str] = []
@@ -142,7 +144,8 @@ class SglangSidecar:
             cfg.probe_endpoint, self.metrics, self._on_lookups, self._on_capture,
             self._on_hello, groups=[0],
             handlers={"stores": self._on_stores, "frees": self._on_frees,
-                      "census": self._on_census, "alloc_failed": self._on_alloc_failed})
+                      "census": self._on_census, "alloc_failed": self._on_alloc_failed,
+                      "tap_stats": self._on_tap_stats})
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SglangSidecar:
@@ -195,13 +198,31 @@ class SglangSidecar:
     def _on_census(self, msg: dict[str, Any]) -> None:
         census = decode_census(msg)
         self.adapter.census = census
-        if census.tap_errors > self.tap_errors:
-            self.metrics.inc(S.HOOK_ERRORS, census.tap_errors - self.tap_errors,
-                             hook="sglang_tap")
-            self.tap_errors = census.tap_errors
         self.census_checks += 1
         self.monitor.allocator_health.observe_found(
             "sglang_census", check_census(census), self.monitor.requests_done)
+
+    def _on_tap_stats(self, msg: dict[str, Any]) -> None:
+        """A tap's cumulative error count and time on SGLang's thread, per sending tap
+        (``src``: each SGLang process has its own): the counters move by what grew, and a
+        count that went back (a restarted tap) starts that tap again from 0. Bounded: one
+        entry per tap process, the oldest forgotten past 64."""
+        errors, busy_ns, src = msg.get("errors"), msg.get("busy_ns"), str(msg.get("src"))
+        if not (type(errors) is int and type(busy_ns) is int and 0 <= errors < 1 << 62
+                and 0 <= busy_ns < 1 << 62):
+            raise WireError("tap_stats: errors and busy_ns must be ints in [0, 2**62)")
+        last_errors, last_ns = self._taps.pop(src, (0, 0))
+        if errors < last_errors or busy_ns < last_ns:
+            last_errors, last_ns = 0, 0
+        if errors > last_errors:
+            self.metrics.inc(S.HOOK_ERRORS, errors - last_errors, hook="sglang_tap")
+            self.tap_errors += errors - last_errors
+        if busy_ns > last_ns:
+            self.metrics.inc(S.SGLANG_TAP_SECONDS, (busy_ns - last_ns) / 1e9)
+            self.tap_seconds += (busy_ns - last_ns) / 1e9
+        self._taps[src] = (errors, busy_ns)
+        while len(self._taps) > 64:
+            self._taps.pop(next(iter(self._taps)))
 
     def _on_hello(self, hello: dict[str, Any]) -> None:
         self.engine_mismatches = hello_mismatches(self.info, hello)
@@ -234,6 +255,8 @@ class SglangSidecar:
         out["census_checks"] = self.census_checks
         out["freed_blocks"] = self.freed_blocks
         out["counted_hit_tokens"] = self.counted_hit_tokens
+        out["tap_seconds"] = round(self.tap_seconds, 6)
+        out["tap_errors"] = self.tap_errors
         if self.adapter.bridge is not None:
             out["sglang_metrics"] = self.adapter.bridge.last
         return out

@@ -3,7 +3,7 @@
 Runs inside SGLang's scheduler process, on its thread, from the hooks of
 :mod:`.backend`. It imports torch and the sidecar's pipe/wire/sampling modules, never SGLang,
 so it is testable with plain tensors. Every public method is best-effort: an exception is
-logged and counted (it rides on the next message as ``tap_errors``), never raised into
+logged and counted (the count rides on the next ``tap_stats`` message), never raised into
 SGLang. What it sends, in the order things happened (one PUSH socket keeps that order, so a
 store always reaches the sidecar before a hit that names it):
 
@@ -24,7 +24,9 @@ scheduler); the slot maps are NumPy arrays for the same reason (a torch op per
 allocation or free costs several microseconds of dispatch).
 * ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
   tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
-  invariant checks.
+  invariant checks;
+* ``tap_stats``: the tap's own errors and the time SGLang's thread spent in it (``busy_ns``,
+  added up by :mod:`.backend`'s hooks), with each census and when the server goes quiet.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class SglangTap:
         self._rng = random.Random(seed)
         self.pipe = Pipe(endpoint, pipe_hwm)
         self.errors = 0
+        self.busy_ns = 0  # SGLang's thread in the tap (the backend's hooks add it up)
         self._admitted: OrderedDict[str, None] = OrderedDict()
         # (kind, items) in the order things happened; see the module docstring
         self._outbox: list[tuple[str, list[Any]]] = []
@@ -179,6 +182,7 @@ class SglangTap:
             self._admitted.pop(rid, None)
             if not self._admitted:
                 self.flush()
+                self.send_stats()
         except Exception:
             self._failed("release")
 
@@ -261,10 +265,13 @@ class SglangTap:
                 free=bitmap(free, self.size), tree_len=int(tree.size),
                 tree=bitmap(tree, self.size),
                 allocated=bitmap(self._handed_out(held_back), self.size),
-                evictable=int(evictable), protected=int(protected), idle=bool(idle),
-                tap_errors=self.errors)
+                evictable=int(evictable), protected=int(protected), idle=bool(idle))
+            self.send_stats()
         except Exception:
             self._failed("census")
+
+    def send_stats(self) -> None:
+        self.pipe.send_message("tap_stats", errors=self.errors, busy_ns=self.busy_ns)
 
     def _handed_out(self, held_back: torch.Tensor | None) -> np.ndarray:
         mask = self._allocated.copy()
@@ -274,4 +281,5 @@ class SglangTap:
 
     def close(self) -> None:
         self.flush()
+        self.send_stats()
         self.pipe.close()

@@ -68,7 +68,29 @@ def rows(res: dict[str, Any], names: list[str]) -> list[Row]:
         what = f"tap 1 in {n}" if n else "--kv-canary (log, real data all)"
         out += pair_rows(res, name, res["ratios"][name], f"SGLang {what}", "sglang", "SGLang",
                          TARGETS.get(n) if n else None, sidecar=n is not None)
+        if n:
+            out += _tap_time_row(res, name, what)
     return out
+
+
+def _tap_time_row(res: dict[str, Any], name: str, what: str) -> list[Row]:
+    """The tap's own time on SGLang's scheduler thread over the timed rounds, as the tap
+    measures it (``kvsidecar_sglang_tap_seconds_total``), per request, against SGLang's
+    whole CPU per request when off: a figure the machine's noise does not blur the way it
+    blurs a throughput ratio of two runs."""
+    import statistics
+
+    st = (res.get("sidecar_status") or {}).get(name) or {}
+    before, after = st.get("after_warmup") or {}, st.get("end") or {}
+    if "tap_seconds" not in before or "tap_seconds" not in after:
+        return []
+    requests = sum(rd["runs"][name]["requests"] for rd in res["rounds"])
+    tap = (after["tap_seconds"] - before["tap_seconds"]) / max(requests, 1)
+    off = statistics.median(rd["runs"]["off"]["cpu_s"]["sglang"] / rd["runs"]["off"]["requests"]
+                            for rd in res["rounds"])
+    return [Row(f"SGLang {what}: the tap's own time on SGLang's thread per request, vs "
+                "SGLang's CPU per request (off)", tap * 1e6, off * 1e6, "us",
+                tap / off if off > 0 else float("nan"), "-", None, "")]
 
 
 def run(args: argparse.Namespace) -> int:
