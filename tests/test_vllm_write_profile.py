@@ -124,3 +124,32 @@ def test_the_written_file_is_a_profile_the_sidecar_loads(tmp_path) -> None:
     assert doc["format"] == "kv-sidecar-calibration/1" and len(doc["entries"]) == 1
     entry = load_profile(out).find("tiny-llama", "bfloat16", None, "engine", "all")
     assert entry is not None and entry.blocks == 5
+
+
+def test_serve_without_traffic_stops_and_says_why_nothing_was_written(tmp_path, capsys) -> None:
+    """The whole path, vLLM absent: the sidecar starts with --write-profile (its config
+    built with the fixed table), runs, stops at --duration, and writes nothing: it verified
+    no block."""
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "model")
+    out = tmp_path / "out.json"
+    rc = main(["vllm", "serve", "--model", str(model), "--dtype", "float32", "--block-size",
+               "16", "--probe", f"ipc://{tmp_path}/p.sock", "--engine-url",
+               "http://127.0.0.1:9", "--port", "0", "--duration", "0.5", "--write-profile",
+               str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and not out.exists()
+    assert "no profile written" in err and "only 0 clean blocks" in err, err[-2000:]
+
+
+def test_the_engine_reference_without_its_engine_is_one_line_and_exit_2(tmp_path,
+                                                                        capsys) -> None:
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "model")
+    capsys.readouterr()
+    rc = main(["vllm", "serve", "--model", str(model), "--dtype", "float32", "--block-size",
+               "16", "--probe", f"ipc://{tmp_path}/p.sock", "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--engine-url" in err[0], err

@@ -88,7 +88,8 @@ def _serve(a: argparse.Namespace) -> int:
                                  **dict(sample_every=1, blocks_per_sample=a.blocks_per_sample,
                                         adapter_timeout_s=a.adapter_timeout,
                                         recompute_tokens_per_s=a.recompute_budget,
-                                        **tolerance.config_fields(a), **held)}))
+                                        **tolerance.config_fields(a)),
+                                 **held}))  # --write-profile: the fixed table, no profile
     from sidecar.export.otel_push import check_arguments as check_otlp
     from sidecar.export.server import load_token
 
@@ -100,7 +101,7 @@ def _serve(a: argparse.Namespace) -> int:
         return 2
     try:
         sc = VllmSidecar(cfg)  # describe() from --model: nothing is running yet
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:  # ValueError: flags that do not fit
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
     sc.start()

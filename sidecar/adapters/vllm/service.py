@@ -118,10 +118,13 @@ class VllmSidecar:
             return HFReference(cfg.model_dir, self.info)
         if cfg.reference == "engine":
             if self.receiver is None:
-                raise ValueError("the engine reference needs the probe (probe_endpoint)")
+                raise ValueError("the engine reference needs the probe: give --probe "
+                                 "(probe_endpoint) or --reference hf")
             if submit is None:
                 if not cfg.engine_url:
-                    raise ValueError("the engine reference needs engine_url or a submit()")
+                    raise ValueError("the engine reference needs vLLM's server to recompute on: "
+                                     "give --engine-url (engine_url; in process: a submit()) "
+                                     "or --reference hf")
                 submit = http_submit(cfg.engine_url, cfg.model_name or cfg.model_dir)
             return EngineReference(self.receiver, submit, cfg.block_size,
                                    timeout_s=0.8 * cfg.sidecar.adapter_timeout_s)
