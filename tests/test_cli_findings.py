@@ -151,3 +151,19 @@ def test_the_canarys_status_needs_the_token(monkeypatch) -> None:
         code, out = _fast(fake.endpoint, "--port", "0", "--pairs", "1")
     assert code == 0, out
     assert seen == ["tok-123"]  # the server the canary started guards /status with it
+
+
+def test_help_does_not_load_torch() -> None:
+    """`kv-sidecar --help` answers without importing torch (it cost ~1.4 s of the 2 s the
+    help took: the CLI builds every subcommand's parser). A subcommand's own --help may
+    load what that subcommand runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom sidecar.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded:', 'torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "torch loaded: False" in proc.stderr, proc.stderr[-2000:]
+    assert "usage: kv-sidecar" in proc.stdout

@@ -20,10 +20,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from sidecar.checks.verifier import Sample, Verdict
 from sidecar.signals import DropReason
+
+if TYPE_CHECKING:  # annotations only: the config (and --help) reads MODES without torch
+    from sidecar.checks.verifier import Sample, Verdict
 
 log = logging.getLogger(__name__)
 

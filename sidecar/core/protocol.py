@@ -28,9 +28,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # annotations only: `kv-sidecar --help` need not load torch (~1.4 s)
+    import torch
+
 
 
 class GroupKind(enum.StrEnum):

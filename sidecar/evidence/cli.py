@@ -16,9 +16,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sidecar.config.key_table import text_problem
 from sidecar.core.extras import MissingExtra, require
@@ -32,7 +30,9 @@ from sidecar.evidence.read import (
     tensors_state,
 )
 from sidecar.evidence.record import record_name, tensors_name
-from sidecar.evidence.safetensors_io import SafetensorsError, loads
+
+if TYPE_CHECKING:  # annotations; torch itself is imported where a file is read
+    import torch
 
 ENV_DIR = "KVSIDECAR_EVIDENCE_DIR"
 
@@ -131,6 +131,8 @@ def load_record(directory: Path, seq: int) -> tuple[dict[str, Any],
         raise EvidenceError(f"record {seq}: {exc}") from None
     if data is None:
         return rec, None
+    from sidecar.evidence.safetensors_io import SafetensorsError, loads  # torch: only here
+
     try:
         tensors, _ = loads(data)  # views of data: the file is in memory once
     except SafetensorsError as exc:
@@ -214,6 +216,8 @@ def write_plot(rec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
         Path(out).write_bytes(png)
     except OSError as exc:
         raise EvidenceError(f"cannot write {out}: {exc}") from None
+    import torch
+
     flat = heat.values.nan_to_num(nan=float("inf"))
     layer, head, kv, token = (int(i) for i in torch.unravel_index(flat.argmax(), flat.shape))
     block = heat.blocks[token // heat.block_tokens]

@@ -46,7 +46,6 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sidecar.evidence import safetensors_io
 from sidecar.evidence.files import (
     MAX_RECORD_BYTES,
     MAX_TENSOR_FILE_BYTES,
@@ -267,6 +266,8 @@ class EvidenceLog:
                                          f"{self.max_tensor_bytes}"}
             return None
         try:
+            from sidecar.evidence import safetensors_io  # torch: where tensors are written
+
             blob = safetensors_io.dumps(tensors, {"format": "kv-sidecar evidence"})
         except (TypeError, RuntimeError) as exc:
             rec["tensors"] = {"skipped": f"not serialisable: {exc}"}

@@ -21,8 +21,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from kvtestbed.bench.perf_row import Row, format_table
 
 __all__ = ["format_table", "run", "add_arguments"]
@@ -288,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         from kvtestbed.bench.perf_sglang import run as run_sglang
 
         return run_sglang(args)
+    import torch  # here, not at import: `kv-sidecar --help` builds this parser
+
     torch.set_num_threads(1)  # one engine core; the other is left to the verifier
     repeats = 1 if args.quick else args.repeats
     raw: dict[str, Any] = {}
