@@ -20,6 +20,7 @@ from sidecar.checks.calibration import FloorState
 from sidecar.checks.calibration_profile import (
     Profile,
     ProfileEntry,
+    ProfileError,
     load_profile,
     profile_to_extend,
     save_profile,
@@ -153,3 +154,23 @@ def test_the_engine_reference_without_its_engine_is_one_line_and_exit_2(tmp_path
                "16", "--probe", f"ipc://{tmp_path}/p.sock", "--port", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--engine-url" in err[0], err
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_path_no_profile_can_be_written_to_is_refused_at_start(tmp_path, replace) -> None:
+    """Found from outside: --profile-replace skipped every check, and a missing directory
+    surfaced only at exit, after the trusted run. Both are refused before the run."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x.json")
+    for path, says in ((tmp_path / "dir", "not a regular file"),
+                       (fifo, "not a regular file"),
+                       (Path("/dev/null"), "not a regular file"),
+                       (tmp_path / "nodir" / "x.json", "does not exist"),
+                       (tmp_path / "dangling", "link that leads nowhere")):
+        with pytest.raises(ProfileError, match=says):
+            profile_to_extend(path, replace, "--profile-replace")
+    assert profile_to_extend(tmp_path / "new.json", replace, "--x") == Profile(())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -236,9 +237,29 @@ def measured_entries(states: Iterable[Any], *, reference: str, dtype: str, model
 
 def profile_to_extend(path: str | os.PathLike[str], replace: bool, flag: str) -> Profile:
     """The profile new entries will be merged into: ``path``'s (empty when it does not exist
-    yet, or when ``replace``). Called before a calibration run starts, so a file that is not
-    a profile stops it at once (:class:`ProfileError`, naming ``flag`` to overwrite it)
-    rather than after the run, and is never overwritten by accident."""
+    yet, or when ``replace``). Called before a calibration run starts, so a path the profile
+    cannot be written to (a directory, device, FIFO or socket, a missing or read-only
+    directory) stops it at once, not after the run; and a regular file that is not a profile
+    is never overwritten by accident (:class:`ProfileError`; ``flag`` is named as the way to
+    overwrite such a file)."""
+    p = Path(path)
+    where = f"calibration profile {path}"
+    if not str(path):
+        raise ProfileError("calibration profile: an empty path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ProfileError(f"{where}: its directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ProfileError(f"{where}: its directory {parent} is not writable")
+    if os.path.lexists(p):
+        try:
+            st = p.stat()
+        except OSError as exc:  # a dangling link, a loop
+            raise ProfileError(f"{where} is a link that leads nowhere "
+                               f"({exc.strerror or exc})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ProfileError(f"{where} is not a regular file (a directory, device, FIFO or "
+                               "socket): the profile is written to a file")
     if replace:
         return Profile(())
     try:

@@ -85,7 +85,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
             "(SIGTERM, Ctrl-C or --duration) writes the noise floor its verified blocks showed "
             "to FILE, per reference kind and write path; later runs load it with "
             "--calibration-profile FILE. Nothing is written if anything was flagged or too "
-            "few blocks were verified (exit 1).")
+            "few blocks were verified (exit 1). --calibrate and --calibration-multiple do "
+            "not apply to such a run.")
         c.add_argument("--write-profile", metavar="FILE",
                        help="measure this trusted engine's noise floor and write it to FILE "
                             "at exit (entries for other models and dtypes in FILE are kept)")
@@ -98,7 +99,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                        metavar="X", help="profile tolerance = X x the floor (default: 3, as "
                                          "kv-sidecar calibrate)")
         c.add_argument("--profile-replace", action="store_true",
-                       help="write only the new entries (default: keep FILE's other ones)")
+                       help="write only the new entries (default: keep FILE's other ones; "
+                            "a regular file that is not a profile is refused unless this is "
+                            "given)")
     return p
 
 

@@ -116,6 +116,9 @@ def _serve(a: argparse.Namespace) -> int:
     print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    # A closed terminal (a dropped SSH session) stops it the same way: the summary is printed
+    # and, with --write-profile, a trusted run's measurement is still written.
+    signal.signal(signal.SIGHUP, lambda *_: done.set())
     with contextlib.suppress(KeyboardInterrupt):
         done.wait(a.duration if a.duration > 0 else None)
     sc.monitor.drain(10.0)
@@ -139,7 +142,10 @@ def _profile_to_extend(a: argparse.Namespace) -> Any:
         return None
     if a.calibration_profile or a.tolerance:
         raise ValueError("--write-profile measures against the fixed tolerance table: drop "
-                         "--calibration-profile and --tolerance")
+                         "--calibration-profile and --tolerance (calibration_profile and "
+                         "tolerances in the config file, KVSIDECAR_CALIBRATION_PROFILE and "
+                         "KVSIDECAR_TOLERANCES in the environment; --calibration-profile '' "
+                         "clears one set there)")
     if a.reference == "none":
         raise ValueError("--write-profile needs a reference to measure (--reference engine "
                          "or hf)")
