@@ -21,9 +21,11 @@ SGLANG_HIT_TOKENS_DISCREPANCY = _s("sglang_hit_tokens_discrepancy", G,
                                    "at the last scrape; requests in flight make it briefly "
                                    "non-zero, a steady rise means SGLang's hit metric is wrong.")
 SGLANG_TAP_SECONDS = _s("sglang_tap_seconds_total", C,
-                        "Time SGLang's scheduler thread spent in the kv-sidecar tap (its hooks' "
-                        "own work, SGLang's wrapped calls not included), as the tap reports "
-                        "it: the tap's cost, next to SGLang's CPU time.", unit="seconds")
+                        "Wall time SGLang's scheduler thread spent in the kv-sidecar tap (its "
+                        "hooks' own work, SGLang's wrapped calls not included), as the tap "
+                        "reports it: the tap's cost, next to SGLang's CPU time; an upper bound "
+                        "of its CPU (a hook preempted on a busy host counts its wait).",
+                        unit="seconds")
 SGLANG_SIGNALS: tuple[Signal, ...] = (
     SGLANG_CACHE_HIT_RATE, SGLANG_CACHED_TOKENS, SGLANG_HIT_TOKENS_DISCREPANCY,
     SGLANG_TAP_SECONDS,

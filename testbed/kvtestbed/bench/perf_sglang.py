@@ -75,9 +75,10 @@ def rows(res: dict[str, Any], names: list[str]) -> list[Row]:
 
 def _tap_time_row(res: dict[str, Any], name: str, what: str) -> list[Row]:
     """The tap's own time on SGLang's scheduler thread over the timed rounds, as the tap
-    measures it (``kvsidecar_sglang_tap_seconds_total``), per request, against SGLang's
-    whole CPU per request when off: a figure the machine's noise does not blur the way it
-    blurs a throughput ratio of two runs."""
+    measures it (``kvsidecar_sglang_tap_seconds_total``: wall time inside its hooks, an
+    upper bound of its CPU), per request, against SGLang's whole CPU per request when off:
+    a figure the machine's noise does not blur the way it blurs a throughput ratio of two
+    runs."""
     import statistics
 
     st = (res.get("sidecar_status") or {}).get(name) or {}

@@ -47,9 +47,8 @@ BENCHES: dict[str, Bench] = {
         "reduced: the hybrid (Gemma2 sliding + full) and recurrent (LFM2 conv state + full) "
         "models in float32 and bfloat16, clean runs of at least 1,000 blocks (the full run: "
         "5,000)"),
-    "perf": Bench(("bench", "perf", "--quick", "--json"),
-                  "quick (`--quick`): tiny sizes, one repeat, no callgrind instruction counts; "
-                  "it proves the command and shows the shape of each figure, not its value"),
+    "perf": Bench(("bench", "perf", "--json"),
+                  "full: medians of 5 repeats, callgrind instruction counts included"),
     "perf-vllm": Bench(("bench", "perf", "--engine", "vllm", "--vllm-requests", "600",
                         "--json"),
                        "reduced: 600 requests per timed run (the full run: 2,000), 5 "
