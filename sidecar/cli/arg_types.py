@@ -5,7 +5,6 @@ them without importing the CLI that imports it."""
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +14,8 @@ class UsageError(Exception):
 
 
 def bounded(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
-    """An argparse type: parse ``kind`` and check ``low <= value (<= high)`` (a float must be
-    finite too: ``float("nan")`` passes every comparison written the other way round), with
-    a message that says what was expected (argparse turns it into exit code 2)."""
+    """An argparse type: parse ``kind`` and check ``low <= value (<= high)``, with a message
+    that says what was expected (argparse turns it into exit code 2)."""
 
     def parse(text: str) -> Any:
         try:
@@ -26,8 +24,7 @@ def bounded(kind: type, low: float, high: float | None = None) -> Callable[[str]
             raise argparse.ArgumentTypeError(
                 f"expected a {'whole number' if kind is int else 'number'}, got {text!r}"
             ) from None
-        if not low <= value or (high is not None and not value <= high) or (
-                kind is float and not math.isfinite(value)):  # "nan" compares false
+        if value < low or (high is not None and value > high):
             bound = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value

@@ -13,7 +13,12 @@ store always reaches the sidecar before a hit that names it):
 * ``frees``: block ids whose last slot went back to the allocator (evicted, or freed);
 * ``lookups`` / ``capture``: one lookup per admitted request (what SGLang itself counts as
   the request's cached tokens), and for 1 in ``sample_every`` hits the K/V of the chosen
-  blocks, copied while the request still holds them.
+  blocks, copied while the request still holds them;
+* ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
+  tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
+  invariant checks;
+* ``tap_stats``: the tap's own errors and the time SGLang's thread spent in it (``busy_ns``,
+  added up by :mod:`.backend`'s hooks), with each census and when the server goes quiet.
 
 Stores, frees and lookups wait in one ordered outbox (consecutive items of a kind share a
 message) and leave together: before a capture or a census (so the sidecar has every event
@@ -22,11 +27,6 @@ is released (a server going quiet keeps nothing back). A message per event cost 
 scheduler a ZMQ send each (the largest share of the tap in a py-spy profile of the
 scheduler); the slot maps are NumPy arrays for the same reason (a torch op per
 allocation or free costs several microseconds of dispatch).
-* ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
-  tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
-  invariant checks;
-* ``tap_stats``: the tap's own errors and the time SGLang's thread spent in it (``busy_ns``,
-  added up by :mod:`.backend`'s hooks), with each census and when the server goes quiet.
 """
 
 from __future__ import annotations
@@ -175,9 +175,10 @@ class SglangTap:
             self._failed("admit")
 
     def released(self, rid: str) -> None:
-        """A request let go of its slots. The last one out flushes the batched lookups: a
-        server going quiet must not keep up to 63 of them in the engine process, where the
-        hit-rate audit cannot see them (under load the census flushes once a second)."""
+        """A request let go of its slots. The last one out flushes the outbox and sends the
+        tap's stats: a server going quiet must not keep lookups, stores or frees back in the
+        engine process, where the sidecar cannot see them (under load the census flushes
+        once a second)."""
         try:
             self._admitted.pop(rid, None)
             if not self._admitted:
