@@ -50,8 +50,11 @@ def test_bench_reliability_quick_json() -> None:
     assert web["slow_clients"]["healthz_ok"] == web["slow_clients"]["healthz_checks"] > 0
     assert web["scrape_storm"]["scrapes_served"] > 0
     # Coalescing itself is asserted deterministically in tests/test_server_slow_clients.py;
-    # a --quick storm on a loaded machine may see a single round (1 scrape, 1 generation).
-    assert web["scrape_storm"]["generations"] <= max(web["scrape_storm"]["scrapes_served"], 1)
+    # here, at most one generation per scrape sent (served or abandoned in flight at a stop:
+    # beside two CPU hogs a storm generated 2 and served 1).
+    storm = web["scrape_storm"]
+    assert storm["scrapes_sent"] >= storm["scrapes_served"]
+    assert storm["generations"] <= max(storm["scrapes_sent"], 1), storm
     for name, good in out["checks"].items():
         assert good or name in TIMING_CHECKS, name
     assert out["completed"] is True

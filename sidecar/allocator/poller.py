@@ -154,11 +154,8 @@ class AllocatorPoller:
         nudged = self.min_interval_s is not None and self._introspection is not None
         if self._scheduler is not None or not (self.every_s > 0 or nudged):
             return
-        from apscheduler.schedulers.background import BackgroundScheduler
-
         # coalesce + max_instances=1: a slow adapter never stacks up overlapping polls.
-        self._scheduler = BackgroundScheduler(
-            daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
+        self._scheduler = _scheduler()
         if self.every_s > 0:
             self._scheduler.add_job(self._scheduled, "interval", seconds=self.every_s,
                                     id="allocator")
@@ -180,3 +177,24 @@ class AllocatorPoller:
         self._scheduler = None
         if self._lock.acquire(timeout=max(timeout_s, 0.0)):
             self._lock.release()
+
+
+def _scheduler() -> Any:
+    """APScheduler's background scheduler, minus one shutdown race: a one-shot (nudge) job
+    that runs while :meth:`AllocatorPoller.stop` shuts the scheduler down is removed by the
+    scheduler's thread after the job stores were emptied, and APScheduler 3 raises
+    ``JobLookupError`` in that thread (seen beside two CPU hogs). Stopping, the job is gone
+    with its store: nothing to report."""
+    from apscheduler.jobstores.base import JobLookupError
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.schedulers.base import STATE_RUNNING
+
+    class Scheduler(BackgroundScheduler):
+        def remove_job(self, job_id: str, jobstore: str | None = None) -> None:
+            try:
+                super().remove_job(job_id, jobstore)
+            except JobLookupError:
+                if self.state == STATE_RUNNING:
+                    raise
+
+    return Scheduler(daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
