@@ -251,22 +251,21 @@ def profile_to_extend(path: str | os.PathLike[str], replace: bool, flag: str) ->
         raise ProfileError(f"{where}: its directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ProfileError(f"{where}: its directory {parent} is not writable")
-    if os.path.lexists(p):
-        try:
-            st = p.stat()
-        except OSError as exc:  # a dangling link, a loop
-            raise ProfileError(f"{where} is a link that leads nowhere "
-                               f"({exc.strerror or exc})") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ProfileError(f"{where} is not a regular file (a directory, device, FIFO or "
-                               "socket): the profile is written to a file")
+    if not os.path.lexists(p):
+        return Profile(())  # a new file
+    try:
+        st = p.stat()
+    except OSError as exc:  # a dangling link, a loop
+        raise ProfileError(f"{where} is a link that leads nowhere "
+                           f"({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ProfileError(f"{where} is not a regular file (a directory, device, FIFO or "
+                           "socket): the profile is written to a file")
     if replace:
         return Profile(())
     try:
         return load_profile(path)
     except ProfileError as exc:
-        if "no such file" in str(exc):
-            return Profile(())
         raise ProfileError(f"{exc} (use {flag} to overwrite it)") from None
 
 
