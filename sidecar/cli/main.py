@@ -158,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(argv)
         finally:  # argparse's --help exits too: what is buffered fails here, not at teardown
             sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before a command set its own handler
+        return 130
     except BrokenPipeError:
         if not _stdout_gone():
             print("kv-sidecar: error: broken pipe", file=sys.stderr)

@@ -36,9 +36,10 @@ import json
 import logging
 import os
 from time import perf_counter_ns as clock
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.adapters.sglang.tap import SglangTap, key_fields
+if TYPE_CHECKING:  # the tap loads torch: imported where a tree is built, not by `--help`
+    from sidecar.adapters.sglang.tap import SglangTap
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ def check_sglang_version(found: str) -> None:
 
 def make_tap(ctx: Any) -> SglangTap:
     import sglang
+
+    from sidecar.adapters.sglang.tap import SglangTap
 
     check_sglang_version(sglang.__version__)
     cfg = tap_config()
@@ -104,6 +107,8 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     to ``tap``. Instance attributes shadow the class's methods, so SGLang's own calls
     (``self.insert`` inside ``checkpoint``, ``self.free`` inside ``free_group_end``) go
     through the wrappers too; the class, and every ``isinstance`` check, stay SGLang's."""
+    from sidecar.adapters.sglang.tap import key_fields
+
     allocator = tree.token_to_kv_pool_allocator
     alloc, free = allocator.alloc, allocator.free
     # Each hook adds the time its own work took (SGLang's wrapped call excluded) to

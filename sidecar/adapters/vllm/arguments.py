@@ -29,7 +29,7 @@ _fingerprint_every = bounded(int, 0)  # 0: off
 def parser(description: str | None = None) -> argparse.ArgumentParser:
     """The flags of ``engine-args`` and ``serve`` (what the config schema's ``[vllm]``
     section derives from); :func:`sidecar.adapters.vllm.cli.parser` adds what runs them."""
-    p = argparse.ArgumentParser(prog="python -m sidecar.adapters.vllm", description=description,
+    p = argparse.ArgumentParser(prog="kv-sidecar vllm", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("engine-args", "serve"):

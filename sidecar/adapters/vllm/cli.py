@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 from sidecar.adapters.vllm import arguments
-from sidecar.adapters.vllm.adapter import CheckpointError
 from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
 from sidecar.checks import tolerance
 from sidecar.config.cli import add_config_arguments, configure
@@ -67,6 +66,7 @@ CPU_CORES_NOTE = (
 
 
 def _serve(a: argparse.Namespace) -> int:
+    from sidecar.adapters.vllm.adapter import CheckpointError
     from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
     from sidecar.core.monitor import SidecarConfig
     from sidecar.export.server import SidecarServer

@@ -9,9 +9,10 @@ is the engine reference's way to run a salted recompute on an in-process ``LLM``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.adapters.vllm.reference import Submit
+if TYPE_CHECKING:  # a type only: `kv-sidecar vllm ... --help` does not load torch
+    from sidecar.adapters.vllm.reference import Submit
 
 PROBE_CLASS = "KVSidecarProbe"
 PROBE_MODULE = "sidecar.adapters.vllm.probe"
