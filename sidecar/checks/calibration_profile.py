@@ -72,6 +72,13 @@ class ProfileEntry:
     def key(self) -> tuple[str, str, str | None, str, str]:
         return self.model, self.dtype, self.kv_storage, self.reference, self.write_path
 
+    def describe(self) -> str:
+        """One line for a person: what was measured, over how much, and what it gives (the
+        line `kv-sidecar calibrate` and `vllm serve --write-profile` print per entry)."""
+        return (f"{self.model} {self.dtype} {self.reference} {self.write_path}: floor "
+                f"{self.floor:.3g} over {self.blocks} clean blocks -> tolerance "
+                f"{self.tolerance:.3g}")
+
 
 @dataclass(frozen=True)
 class Profile:

@@ -118,9 +118,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 return 1
             entries.extend(measured)
             for entry in measured:
-                print(f"{entry.model:<12} {dtype:<9} {entry.reference:<11} "
-                      f"{entry.write_path:<8} floor {entry.floor:.3g} over {entry.blocks} "
-                      f"clean blocks -> tolerance {entry.tolerance:.3g}", flush=True)
+                print(entry.describe(), flush=True)
     save_entries(args.out, entries, base)
     print(f"wrote {args.out} ({len(entries)} entries)")
     return 0

@@ -178,9 +178,7 @@ def _write_profile(a: argparse.Namespace, sc: Any, summary: dict[str, Any], base
                       "--profile-min-blocks")
     save_entries(a.write_profile, entries, base)
     for e in entries:
-        print(f"kv-sidecar vllm serve: profile {e.model} {e.dtype} {e.reference} "
-              f"{e.write_path}: floor {e.floor:.3g} over {e.blocks} clean blocks -> tolerance "
-              f"{e.tolerance:.3g}", file=sys.stderr)
+        print(f"kv-sidecar vllm serve: profile {e.describe()}", file=sys.stderr)
     print(f"kv-sidecar vllm serve: wrote {a.write_profile} ({len(entries)} entries)",
           file=sys.stderr, flush=True)
     return 0
