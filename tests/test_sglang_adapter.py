@@ -251,3 +251,46 @@ def test_metrics_parse_reads_only_its_series_lines() -> None:
     assert parse(page) == whole == {"sglang:cache_hit_rate": 0.75,
                                     "sglang:cached_tokens_total": 120.0}
     assert parse(page + "not a sample line {\n") == whole
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "block_size": 0}', "block_size must be an integer"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "sample_evry": 10}', "unknown key 'sample_evry'"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "sample_every": 1.5}', "sample_every must be"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "census_every_s": NaN}', "census_every_s must be"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "pipe_hwm": true}', "pipe_hwm must be"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock", "seed": -1}', "seed must be"),
+    ('{"endpoint": "tcp://10.0.0.7:5555"}', "must be ipc://<path> or tcp://127.0.0.1"),
+    ('{"endpoint": "ipc://"}', "must be ipc://<path>"),
+    ('{"endpoint": 5}', "a string 'endpoint'"),
+    ('{"endpoint": "ipc:///tmp/kvs.sock",', "is not JSON"),
+    ("[1, 2]", "a string 'endpoint'"),
+])
+def test_the_tap_config_is_checked_whole(monkeypatch: pytest.MonkeyPatch, raw: str,
+                                         says: str) -> None:
+    """KVSIDECAR_SGLANG_TAP is written by hand in SGLang's environment: each bad key or
+    value stops the backend at start with a line naming it (block_size 0 used to raise on
+    every insert inside SGLang, a misspelt key fell back to its default, and any endpoint
+    was connected to, a remote one included)."""
+    from sidecar.adapters.sglang.backend import CONFIG_ENV, tap_config
+
+    monkeypatch.setenv(CONFIG_ENV, raw)
+    with pytest.raises(ValueError, match=CONFIG_ENV) as err:  # every line names the variable
+        tap_config()
+    assert says in str(err.value)
+
+
+def test_the_tap_config_fills_defaults_and_names_every_problem(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.adapters.sglang.backend import CONFIG_ENV, TAP_KEYS, tap_config
+
+    monkeypatch.setenv(CONFIG_ENV, '{"endpoint": "tcp://127.0.0.1:5555", "sample_every": 7}')
+    cfg = tap_config()
+    assert cfg == {"endpoint": "tcp://127.0.0.1:5555", "sample_every": 7,
+                   **{k: d for k, (_, _, _, d) in TAP_KEYS.items() if k != "sample_every"}}
+    monkeypatch.setenv(CONFIG_ENV, '{"endpoint": "ipc:///tmp/k.sock", "block_size": -2, '
+                                   '"x": 1, "census_every_s": "1"}')
+    with pytest.raises(ValueError) as err:
+        tap_config()
+    assert all(part in str(err.value) for part in ("unknown key 'x'", "block_size must be",
+                                                   "census_every_s must be a number"))

@@ -38,6 +38,8 @@ import os
 from time import perf_counter_ns as clock
 from typing import TYPE_CHECKING, Any
 
+from sidecar.adapters.peer_settings import Setting, check_settings
+
 if TYPE_CHECKING:  # the tap loads torch: imported where a tree is built, not by `--help`
     from sidecar.adapters.sglang.tap import SglangTap
 
@@ -48,16 +50,31 @@ CONFIG_ENV = "KVSIDECAR_SGLANG_TAP"
 SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.23",)
 
 
+# The tap's settings (sidecar.adapters.peer_settings): key -> (type, lowest, highest,
+# default), checked whole when SGLang builds its tree.
+TAP_KEYS: dict[str, Setting] = {
+    "block_size": (int, 1, 4096, 16),
+    "sample_every": (int, 1, 1 << 40, 100),
+    "blocks_per_sample": (int, 1, 1024, 2),
+    "seed": (int, 0, (1 << 63) - 1, 0),
+    "census_every_s": (float, 0.05, 86_400.0, 1.0),
+    "pipe_hwm": (int, 1, 1 << 20, 256),
+}
+
+
 def tap_config() -> dict[str, Any]:
+    """``KVSIDECAR_SGLANG_TAP`` parsed and checked: ``endpoint`` plus every key of
+    :data:`TAP_KEYS` (defaults filled in); ValueError naming each problem otherwise."""
     raw = os.environ.get(CONFIG_ENV)
     if not raw:
         raise ValueError(f"kv-sidecar's SGLang backend needs {CONFIG_ENV}, a JSON object "
                          "with at least 'endpoint' (the sidecar's probe socket, e.g. "
                          "ipc:///tmp/kvsidecar/sglang.sock)")
-    cfg = json.loads(raw)
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
-        raise ValueError(f"{CONFIG_ENV} must be a JSON object with a string 'endpoint'")
-    return cfg
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{CONFIG_ENV} is not JSON: {exc}") from None
+    return check_settings(cfg, TAP_KEYS, CONFIG_ENV)
 
 
 def check_sglang_version(found: str) -> None:
@@ -81,10 +98,9 @@ def make_tap(ctx: Any) -> SglangTap:
     if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or not hasattr(pool, "k_buffer"):
         raise ValueError(f"kv-sidecar's SGLang backend reads the NHD MHA pool, got "
                          f"{type(pool).__name__} ({getattr(pool, 'kv_cache_layout', '?')})")
-    tap = SglangTap(cfg["endpoint"], int(cfg.get("block_size", 16)),
-                    int(cfg.get("sample_every", 100)), int(cfg.get("blocks_per_sample", 2)),
-                    int(cfg.get("seed", 0)), float(cfg.get("census_every_s", 1.0)),
-                    int(cfg.get("pipe_hwm", 256)))
+    tap = SglangTap(cfg["endpoint"], cfg["block_size"], cfg["sample_every"],
+                    cfg["blocks_per_sample"], cfg["seed"], cfg["census_every_s"],
+                    cfg["pipe_hwm"])
     tap.attach(pool, int(params.token_to_kv_pool_allocator.size), sglang.__version__,
                str(getattr(ctx.model_config, "model_path", "")))
     return tap

@@ -28,3 +28,15 @@ def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
         return
     raise ValueError(f"probe endpoint {endpoint!r} must be ipc://<path> or "
                      f"tcp://127.0.0.1:<port> (the probe pipe is not authenticated)")
+
+
+def check_peer_endpoint(endpoint: str) -> None:
+    """Refuse an endpoint an in-engine probe or tap would send KV to that is not on this
+    host (ValueError says why): ``ipc://`` (any path: the sidecar that binds it applies
+    :func:`check_endpoint`, under its own temp directory) or ``tcp://127.0.0.1:<port>``."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if endpoint.startswith("tcp://127.0.0.1:"):
+        return
+    raise ValueError(f"probe endpoint {endpoint!r} must be ipc://<path> or "
+                     f"tcp://127.0.0.1:<port>: the probe ships KV only to a sidecar on this host")

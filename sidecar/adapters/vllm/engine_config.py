@@ -11,11 +11,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sidecar.adapters.peer_settings import Setting
+
 if TYPE_CHECKING:  # a type only: `kv-sidecar vllm ... --help` does not load torch
     from sidecar.adapters.vllm.reference import Submit
 
 PROBE_CLASS = "KVSidecarProbe"
 PROBE_MODULE = "sidecar.adapters.vllm.probe"
+
+# What the probe reads from ``kv_connector_extra_config`` besides ``endpoint``, checked whole
+# when vLLM builds it (sidecar.adapters.peer_settings): key -> (type, lowest, highest,
+# default; None: the probe's own, see its docstring).
+PROBE_KEYS: dict[str, Setting] = {
+    "sample_every": (int, 1, 1 << 40, 100),
+    "blocks_per_sample": (int, 1, 1024, 2),
+    "seed": (int, 0, (1 << 63) - 1, 0),
+    "burst_hits": (int, 0, 1 << 40, 0),
+    "burst_every": (int, 1, 1 << 40, 1),
+    "pipe_hwm": (int, 1, 1 << 20, 64),
+    "capture_slots": (int, 1, 1 << 16, None),
+    "fingerprint_every": (int, 0, 1 << 40, 1),
+    "fingerprint_capacity": (int, 1, 1 << 24, None),
+}
 
 
 def probe_transfer_config(endpoint: str, sample_every: int = 100, blocks_per_sample: int = 2,

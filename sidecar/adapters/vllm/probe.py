@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.vllm.block_writes import (
     DEFAULT_CAPACITY,
     BlockFill,
@@ -62,6 +63,7 @@ from sidecar.adapters.vllm.block_writes import (
     WriteTracker,
     raw_digest,
 )
+from sidecar.adapters.vllm.engine_config import PROBE_KEYS
 from sidecar.adapters.vllm.groups import groups_from_specs
 from sidecar.adapters.vllm.layout import block_views, reported_layout, validate_layout
 from sidecar.adapters.vllm.pipe import Pipe
@@ -107,35 +109,33 @@ class _Seen:
 
 class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. Configure through ``kv_connector_extra_config``:
-    ``endpoint`` (required: the sidecar's PULL socket), ``sample_every`` (100),
+    ``endpoint`` (required: the sidecar's PULL socket, on this host), ``sample_every`` (100),
     ``blocks_per_sample`` (2), ``seed`` (0), ``pipe_hwm`` (64 messages),
     ``fingerprint_every`` (1: every full block fingerprinted at write; 0: none),
     ``fingerprint_capacity`` (blocks remembered, oldest first out), ``capture_slots``
-    (device slots per cache group; default :func:`.shipper.default_slots`)."""
+    (device slots per cache group; default :func:`.shipper.default_slots`), ``burst_hits``
+    and ``burst_every``; checked whole at start (``engine_config.PROBE_KEYS``: an unknown key
+    or a bad value stops vLLM with one line naming it)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        if "endpoint" not in extra:
-            raise ValueError("kv-sidecar probe: kv_connector_extra_config needs 'endpoint' "
-                             "(the sidecar's probe socket, e.g. ipc:///tmp/kvsidecar.sock)")
+        extra = check_settings(dict(self._kv_transfer_config.kv_connector_extra_config or {}),
+                               PROBE_KEYS, "kv-sidecar probe: kv_connector_extra_config")
         self._block_size = int(vllm_config.cache_config.block_size)
         self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self._model = str(vllm_config.model_config.model)
-        self._blocks_per_sample = int(extra.get("blocks_per_sample", 2))
+        self._blocks_per_sample = extra["blocks_per_sample"]
         # A start burst with every probe start: an engine restart or upgrade starts a new
         # probe, so a new version, KV layout or kernel is checked at the burst's rate first.
-        self._sampler = UniformSampler(int(extra.get("sample_every", 100)),
-                                       int(extra.get("seed", 0)),
-                                       burst=Burst(int(extra.get("burst_hits", 0)),
-                                                   int(extra.get("burst_every", 1))))
-        self._pipe = Pipe(str(extra["endpoint"]), int(extra.get("pipe_hwm", 64)))
+        self._sampler = UniformSampler(extra["sample_every"], extra["seed"],
+                                       burst=Burst(extra["burst_hits"], extra["burst_every"]))
+        self._pipe = Pipe(extra["endpoint"], extra["pipe_hwm"])
         # The worker half sends through its shipper's thread (the scheduler half, in
         # another process, sends lookups on its own pipe directly: nothing to copy).
-        self._shipper = Shipper(self._pipe, int(extra.get(
-            "capture_slots", default_slots(self._blocks_per_sample))))
+        self._shipper = Shipper(self._pipe, extra["capture_slots"]
+                                or default_slots(self._blocks_per_sample))
         self._group_layers = _group_layers(kv_cache_config)
         self._groups = [g for g, _ in groups_from_specs(kv_cache_config, _layer_index)]
         self._hybrid = any(g.kind is not GroupKind.FULL_ATTENTION for g in self._groups)
@@ -147,9 +147,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         attention = [g.group_id for g in self._groups
                      if g.kind is not GroupKind.RECURRENT_STATE] if self._groups else [0]
         self._writes = WriteTracker(
-            self._block_size, int(extra.get("fingerprint_every", 1)), attention,
+            self._block_size, extra["fingerprint_every"], attention,
             {g.group_id: frozenset(g.null_block_ids) for g in self._groups})
-        self._table = WriteTable(int(extra.get("fingerprint_capacity", DEFAULT_CAPACITY)))
+        self._table = WriteTable(extra["fingerprint_capacity"] or DEFAULT_CAPACITY)
         self._counts_at = time.monotonic()
         self._seen: dict[str, _Seen] = {}
         self._pending_refs: dict[str, tuple[CaptureOrder, int]] = {}  # req -> (order, need)

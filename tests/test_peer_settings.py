@@ -1,0 +1,60 @@
+"""The settings an in-engine probe or tap reads on the engine's side
+(:mod:`sidecar.adapters.peer_settings`): what `engine-args` and the shipped manifests write
+is accepted as is; an unknown key, a wrong type, a value out of range or an endpoint off this
+host is refused at start with every problem named."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from sidecar.adapters.peer_settings import check_settings
+from sidecar.adapters.vllm.engine_config import PROBE_KEYS, probe_transfer_config
+
+WHERE = "kv-sidecar probe: kv_connector_extra_config"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_what_engine_args_writes_is_accepted_with_defaults_filled_in() -> None:
+    extra = probe_transfer_config("ipc:///tmp/kvs.sock", 10, 4, 3, 1000, 10, 0)[
+        "kv_connector_extra_config"]
+    got = check_settings(extra, PROBE_KEYS, WHERE)
+    assert got == {**extra, "pipe_hwm": 64, "capture_slots": None,
+                   "fingerprint_capacity": None}
+
+
+def test_the_shipped_kubernetes_probe_config_is_accepted() -> None:
+    text = (ROOT / "deploy/kubernetes/base/deployment.yaml").read_text()
+    line = next(ln for ln in text.splitlines() if "kv_connector_extra_config" in ln)
+    config = json.loads(line.strip().removeprefix("- ").strip("'"))
+    got = check_settings(config["kv_connector_extra_config"], PROBE_KEYS, WHERE)
+    assert got["endpoint"] == "ipc:///run/kv-sidecar/probe.sock"
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"endpoint": "ipc:///tmp/k.sock", "sample_every": 0}, "sample_every must be an integer"),
+    ({"endpoint": "ipc:///tmp/k.sock", "sample-every": 10}, "unknown key 'sample-every'"),
+    ({"endpoint": "ipc:///tmp/k.sock", "pipe_hwm": "64"}, "pipe_hwm must be"),
+    ({"endpoint": "ipc:///tmp/k.sock", "seed": 2.0}, "seed must be an integer"),
+    ({"endpoint": "ipc:///tmp/k.sock", "fingerprint_every": -1}, "fingerprint_every must be"),
+    ({"endpoint": "ipc:///tmp/k.sock", "capture_slots": math.inf}, "capture_slots must be"),
+    ({"endpoint": "ipc:///tmp/k.sock", "blocks_per_sample": False}, "blocks_per_sample"),
+    ({"endpoint": "tcp://0.0.0.0:5555"}, "only to a sidecar on this host"),
+    ({"endpoint": "tcp://192.168.1.9:5555"}, "only to a sidecar on this host"),
+    ({"sample_every": 10}, "a string 'endpoint'"),
+    ({"endpoint": None}, "a string 'endpoint'"),
+])
+def test_a_bad_setting_is_refused_by_name(extra: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=WHERE) as err:
+        check_settings(extra, PROBE_KEYS, WHERE)
+    assert says in str(err.value)
+
+
+def test_every_problem_is_named_at_once() -> None:
+    with pytest.raises(ValueError) as err:
+        check_settings({"endpoint": "tcp://10.1.1.1:1", "x": 1, "seed": -5}, PROBE_KEYS, WHERE)
+    msg = str(err.value)
+    assert "unknown key 'x'" in msg and "seed must be" in msg and "on this host" in msg
