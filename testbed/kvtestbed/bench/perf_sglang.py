@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine sglang: the tap's 1-in-N settings to compare with off "
                         "(default: 1000 100; --quick: 100)")
     p.add_argument("--sglang-requests", type=int, default=None, metavar="N",
-                   help="with --engine sglang: requests per timed run (default: 400; "
-                        "--quick: 60)")
+                   help="with --engine sglang: requests per timed run (default: 1200, "
+                        "about 10 s a run; --quick: 60)")
     p.add_argument("--sglang-concurrency", type=int, default=8, metavar="N",
                    help="with --engine sglang: concurrent clients (default: 8)")
     p.add_argument("--sglang-reference", default="none", choices=("none", "hf"),
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--sglang-shims {shims}: not a directory", 2)
     ns = list(args.sglang_sample_every or ([100] if args.quick else [1000, 100]))
     pairs = 2 if args.quick else args.repeats
-    requests = args.sglang_requests or (60 if args.quick else 400)
+    requests = args.sglang_requests or (60 if args.quick else 1200)
     if min(ns) < 1 or requests < 1 or args.sglang_concurrency < 1:
         return fail("N, requests and concurrency must be >= 1", 2)
     from kvtestbed.tiny_models.tiny_llama import write_tiny_llama

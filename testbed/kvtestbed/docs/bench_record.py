@@ -54,7 +54,7 @@ BENCHES: dict[str, Bench] = {
                        "reduced: 600 requests per timed run (the full run: 2,000), 5 "
                        "interleaved pairs, N = 1000, 100 and 10; needs `.venv-vllm`"),
     "perf-sglang": Bench(("bench", "perf", "--engine", "sglang", "--json"),
-                         "full: 400 requests per timed run, 5 interleaved pairs, N = 1000 and "
+                         "full: 1,200 requests per timed run, 5 interleaved pairs, N = 1000 and "
                          "100, SGLang's --kv-canary tried beside them; needs `.venv-sglang`"),
     "reliability": Bench(("bench", "reliability", "--json"),
                          "full: 100k cases per decoder, 10k per file and config surface, "
