@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Each fault runs on the models that have the cache groups it needs")
     p.add_argument("--calibration-multiple", type=float, default=4.0, metavar="X",
                    help="calibrated tolerance = X x noise floor (default: 4)")
+    p.add_argument("--calibration-profile", default=None, metavar="PATH",
+                   help="the calibration profile every run starts from (default: the "
+                        "reference engines' shipped profile, as `kv-sidecar demo` uses; "
+                        "\"\": none, the tolerance learnt from the first --calibrate blocks "
+                        "alone)")
 
 
 

@@ -22,10 +22,12 @@ the engine's ground truth:
 
 Clean runs (one per dtype and storage format) verify every block of every hit until at
 least ``--clean-samples`` blocks were verified and report false positives, the measured
-noise floor (largest recompute error) and the tolerance used: calibrated by the sidecar
-from the first ``--calibrate`` clean blocks of each run (the floor it learnt is reported
-too), or the fixed table with ``--calibrate 0``. Then the sampling policies
-at equal budget (:mod:`.policies`) and the fingerprint digest's throughput (:mod:`.digest`).
+noise floor (largest recompute error) and the tolerance used: what the sidecar ships
+with for these engines, the profile ``kv-sidecar demo`` loads (``--calibration-profile``;
+``""`` for none), tightened by what it learns from the first ``--calibrate`` clean blocks of
+each run (the floor it learnt is reported too), or the fixed table with ``--calibrate 0``.
+Then the sampling policies at equal budget (:mod:`.policies`) and the fingerprint digest's
+throughput (:mod:`.digest`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from typing import Any
 from kvtestbed.bench import digest, policies
 from kvtestbed.bench.args import add_arguments
 from kvtestbed.bench.harness import Scenario, ScenarioResult, run_many
+from kvtestbed.demo import SHIPPED_PROFILE
 from kvtestbed.engines.faults import FAULTS
 from kvtestbed.engines.hybrid_faults import fault_applies
+from sidecar.checks.calibration_profile import ProfileError, load_profile
 
 
 # ---------------------------------------------------------------------- rows
@@ -125,8 +129,17 @@ def run(args: argparse.Namespace) -> int:
         print("kv-sidecar: error: --calibrate must be >= 0 and --calibration-multiple >= 1",
               file=sys.stderr)
         return 2
+    profile = str(SHIPPED_PROFILE) if args.calibration_profile is None \
+        else args.calibration_profile or None
+    if profile is not None:
+        try:  # one line for a bad file, before any run starts
+            load_profile(profile)
+        except ProfileError as exc:
+            print(f"kv-sidecar: error: --calibration-profile: {exc}", file=sys.stderr)
+            return 2
     cal = {"calibration_samples": args.calibrate,
-           "calibration_multiple": args.calibration_multiple}
+           "calibration_multiple": args.calibration_multiple,
+           "calibration_profile": profile}
     fault_runs = [Scenario(fault=f, dtype=d, requests=args.requests,
                            sample_every=args.sample_every,
                            blocks_per_sample=args.blocks_per_sample, seed=args.seed,
@@ -163,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                      "policy_sample_every": 8, "policy_blocks_per_sample": 2,
                      "seed": args.seed, "jobs": args.jobs, "models": args.model,
                      "calibration_samples": args.calibrate,
-                     "calibration_multiple": args.calibration_multiple},
+                     "calibration_multiple": args.calibration_multiple,
+                     "calibration_profile": profile},
     }
     report["wall_s"] = round(time.perf_counter() - started, 1)
     problems = failures(report, args.clean_samples)

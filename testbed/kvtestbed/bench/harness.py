@@ -66,6 +66,7 @@ class Scenario:
     # bench's 64 are verified before a fault's start_after (20 requests) in every dtype.
     calibration_samples: int = 0
     calibration_multiple: float = 4.0
+    calibration_profile: str | None = None  # a profile file the runs start from (None: none)
     model: str = "reference"  # reference | hybrid | recurrent (demo --model)
 
     def label(self) -> str:
@@ -309,7 +310,8 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
         sample_every=sc.sample_every, blocks_per_sample=sc.blocks_per_sample or ALL_BLOCKS,
         recompute_tokens_per_s=0, seed=sc.seed, allocator_check_min_interval_s=-1,
         calibration_samples=sc.calibration_samples,
-        calibration_multiple=sc.calibration_multiple), sampler=deferred)
+        calibration_multiple=sc.calibration_multiple,
+        calibration_profile=sc.calibration_profile), sampler=deferred)
     result = ScenarioResult(sc, engine.config.kv_storage)
     engine.sink = BenchSink(engine, monitor, deferred, result)
     # Conversations open lazily (a few at a time), so a generous count changes nothing

@@ -57,6 +57,8 @@ def render(report: dict[str, Any]) -> str:
         how = (f"calibrated: {s.get('calibration_multiple')} x the floor of the first "
                f"{s.get('calibration_samples')} clean blocks") \
             if s.get("calibration_samples") else "fixed table"
+        if s.get("calibration_profile"):  # learning tightens a profile, never loosens it
+            how = f"from the shipped profile, {how} where lower"
         parts.append(f"\nClean runs (every block of every hit verified; tolerance {how})\n")
         parts.append(_table(
             ["dtype", "KV storage", "verified blocks", "verified hits", "false positives",
