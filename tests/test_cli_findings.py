@@ -175,18 +175,33 @@ def test_help_does_not_load_torch(argv: list[str]) -> None:
     assert f"usage: kv-sidecar {' '.join(argv[:-1])}".rstrip() in proc.stdout, proc.stdout
 
 
-def test_sigterm_while_an_adapter_command_starts_exits_130_without_a_traceback(
+def test_an_adapter_command_starting_is_ended_by_sigterm_at_once_and_by_ctrl_c_quietly(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """SIGTERM raises KeyboardInterrupt (the CLI's handler) until a serving command installs
-    its own; `vllm serve` killed while it loaded its reference printed a traceback and exit
-    1. Now any command interrupted that early ends quietly with 130, as Ctrl-C does."""
+    """`vllm serve` killed while it loaded torch printed a traceback: SIGTERM was turned into
+    a KeyboardInterrupt, raised inside numpy's import. Until an engine adapter's command
+    installs its own handler (once it serves) SIGTERM keeps the default (the process ends at
+    once); Ctrl-C that early ends quietly with 130. Once any command returns, SIGTERM is the
+    default again (one during interpreter shutdown printed a traceback from atexit)."""
+    import signal
+
     pytest.importorskip("zmq")
     import sidecar.adapters.vllm.cli as vllm_cli
     from sidecar.cli.main import main
 
-    def interrupted(argv: list[str] | None = None) -> int:
+    seen = []
+
+    def starting(argv: list[str] | None = None) -> int:
+        seen.append(signal.getsignal(signal.SIGTERM))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vllm_cli, "main", interrupted)
-    assert main(["vllm", "serve"]) == 130
-    assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setattr(vllm_cli, "main", starting)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert main(["vllm", "serve"]) == 130
+        assert seen == [signal.SIG_DFL]
+        assert "Traceback" not in capsys.readouterr().err
+        assert main(["signals"]) == 0  # a command of its own: SIGTERM unwinds while it runs
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # and no longer after
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -58,3 +58,54 @@ def test_every_problem_is_named_at_once() -> None:
         check_settings({"endpoint": "tcp://10.1.1.1:1", "x": 1, "seed": -5}, PROBE_KEYS, WHERE)
     msg = str(err.value)
     assert "unknown key 'x'" in msg and "seed must be" in msg and "on this host" in msg
+
+
+@pytest.mark.parametrize("endpoint", [
+    "tcp://127.0.0.1:5;10.0.0.1:5",  # ZMQ: from 127.0.0.1:5 to 10.0.0.1:5
+    "tcp://127.0.0.1:", "tcp://127.0.0.1:0", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:5 ",
+    "tcp://127.0.0.1:+5", "tcp://127.0.0.1:\u0665", "tcp://127.0.0.1:5555/x",
+    "tcp://127.0.0.1.evil.com:5", "tcp://localhost:5", "TCP://127.0.0.1:5",
+    "ipc://", "ipc://tmp/relative.sock", "ipc:///tmp/a;b", "ipc:///tmp/a\x00b",
+    "ipc:///tmp/a\nb", "inproc://x",
+])
+def test_an_endpoint_is_loopback_tcp_or_an_absolute_ipc_path_and_nothing_else(
+        endpoint: str) -> None:
+    """Found from outside: a prefix test passed `tcp://127.0.0.1:5;10.0.0.1:5`, which ZMQ
+    connects to 10.0.0.1, and ports ZMQ itself refuses later; both the in-engine check and the
+    sidecar's bind check now read the whole endpoint."""
+    from sidecar.adapters.vllm.endpoints import check_endpoint, check_peer_endpoint
+
+    with pytest.raises(ValueError):
+        check_peer_endpoint(endpoint)
+    with pytest.raises(ValueError):
+        check_endpoint(endpoint)
+    check_peer_endpoint("tcp://127.0.0.1:65535")
+    check_peer_endpoint("ipc:///run/kv-sidecar/probe.sock")
+
+
+def test_settings_text_refuses_a_key_twice_deep_nesting_and_echoes_little() -> None:
+    from sidecar.adapters.peer_settings import parse_settings
+
+    with pytest.raises(ValueError, match="given twice"):
+        parse_settings('{"endpoint": "ipc:///tmp/a", "seed": 1, "seed": 2}', "X")
+    with pytest.raises(ValueError, match="X is not JSON"):
+        parse_settings("[" * 100_000, "X")
+    long_key = "k" * 100_000
+    with pytest.raises(ValueError) as err:
+        check_settings({"endpoint": "ipc:///tmp/a", long_key: 1}, PROBE_KEYS, WHERE)
+    assert len(str(err.value)) < 400
+
+
+def test_engine_args_refuse_what_the_engine_would_refuse(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`engine-args` checks what it prints against the table the engine side checks: it
+    printed settings the tap then refused (`--sample-every 0`, a remote endpoint)."""
+    pytest.importorskip("zmq")
+    from sidecar.cli.main import main
+
+    assert main(["sglang", "engine-args", "--probe", "tcp://10.0.0.1:5",
+                 "--sample-every", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "on this host" in err and "sample_every" in err
+    assert main(["vllm", "engine-args", "--probe", "tcp://127.0.0.1:5;10.0.0.1:5"]) == 2
+    assert "on this host" in capsys.readouterr().err

@@ -2,15 +2,17 @@
 
 The vLLM probe takes them from ``kv_connector_extra_config``, the SGLang tap from the
 ``KVSIDECAR_SGLANG_TAP`` environment variable: both are written by hand (or by
-``engine-args``) into another program's configuration, where a bad value would otherwise
-surface late and inside the engine (a block size of 0 raised on every insert) or not at all
-(a misspelt key quietly fell back to its default). :func:`check_settings` refuses an unknown
-key, a value of the wrong type or out of range, and an endpoint off this host, naming every
-problem in one ``ValueError`` that stops the engine at start.
+``engine-args``, which checks what it prints against the same table) into another program's
+configuration, where a bad value would otherwise surface late and inside the engine (a block
+size of 0 raised on every insert) or not at all (a misspelt key quietly fell back to its
+default). :func:`check_settings` refuses an unknown key, a value of the wrong type or out of
+range, and an endpoint off this host, naming every problem in one ``ValueError`` that stops
+the engine at start.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,31 +23,66 @@ from sidecar.adapters.vllm.endpoints import check_peer_endpoint
 Setting = tuple[type, float, float, Any]
 
 
+def _shown(value: Any) -> str:
+    """A value as a message shows it: its repr, cut short (a peer may send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bound(kind: type, x: float) -> str:
+    return str(int(x)) if kind is int else f"{x:g}"
+
+
 def check_settings(raw: Any, keys: Mapping[str, Setting], where: str) -> dict[str, Any]:
     """``raw`` (a mapping with a string ``endpoint``) checked against ``keys``: every key of
     ``keys`` in the result, defaults filled in. ``where`` names the setting in messages."""
-    if not isinstance(raw, Mapping) or not isinstance(raw.get("endpoint"), str):
+    try:
+        given = dict(raw) if isinstance(raw, Mapping) else None
+    except Exception:  # a mapping whose own methods raise
+        given = None
+    if given is None or not isinstance(given.get("endpoint"), str):
         raise ValueError(f"{where} must be a JSON object with a string 'endpoint' (the "
                          "sidecar's probe socket, e.g. ipc:///tmp/kvsidecar.sock)")
-    problems = [f"unknown key {k!r} (known: endpoint, {', '.join(keys)})"
-                for k in raw if k != "endpoint" and k not in keys]
+    unknown = [_shown(k) for k in given if k != "endpoint" and k not in keys]
+    problems = [f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown[:5])}"
+                f"{' ...' if len(unknown) > 5 else ''} (known: endpoint, {', '.join(keys)})"
+                ] if unknown else []
     try:  # the KV it ships goes only where a sidecar on this host could listen
-        check_peer_endpoint(raw["endpoint"])
+        check_peer_endpoint(given["endpoint"])
     except ValueError as exc:
         problems.append(str(exc))
-    out: dict[str, Any] = {"endpoint": raw["endpoint"]}
+    out: dict[str, Any] = {"endpoint": given["endpoint"]}
     for key, (kind, low, high, default) in keys.items():
-        value = raw.get(key, default)
+        value: Any = given.get(key, default)
         if value is None and default is None:
             out[key] = None
             continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or (kind is int and not isinstance(value, int)) \
+        number = type(value) in (int, float)  # not bool, not a str or a numpy scalar
+        if not number or (kind is int and type(value) is not int) \
                 or not low <= value <= high:  # NaN fails the range test too
             problems.append(f"{key} must be {'an integer' if kind is int else 'a number'} "
-                            f"in [{low:g}, {high:g}], got {value!r}")
+                            f"in [{_bound(kind, low)}, {_bound(kind, high)}], "
+                            f"got {_shown(value)}")
             continue
         out[key] = kind(value)
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
     return out
+
+
+def parse_settings(text: str, where: str) -> Any:
+    """JSON ``text`` as written into an engine's environment: a key given twice, nesting too
+    deep or a number too long is a ValueError naming ``where`` (never a RecursionError)."""
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ValueError(f"key {_shown(k)} given twice")
+            seen[k] = v
+        return seen
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where} is not JSON: {str(exc)[:120] or 'nested too deep'}") \
+            from None

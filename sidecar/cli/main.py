@@ -157,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _main(argv)
         finally:  # argparse's --help exits too: what is buffered fails here, not at teardown
+            # The command is over: a SIGTERM now (interpreter shutdown, atexit callbacks)
+            # ends the process as the default does, not with a KeyboardInterrupt traceback.
+            if signal.getsignal(signal.SIGTERM) is _interrupt:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before a command set its own handler
         return 130
@@ -173,8 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM unwinds like Ctrl-C, so finally blocks close what a command opened; the engine
+    # adapters' commands install their own handler once they serve, and until then keep
+    # the default (the process ends at once: an exception raised into their torch import
+    # left a half-imported numpy and a traceback).
+    if argv[:1] not in (["vllm"], ["sglang"]):
+        signal.signal(signal.SIGTERM, _interrupt)
     if argv[:1] == ["vllm"]:  # its own parser: every flag after `vllm` is the adapter's
         try:
             require("vllm")

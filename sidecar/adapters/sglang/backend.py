@@ -32,13 +32,12 @@ Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from time import perf_counter_ns as clock
 from typing import TYPE_CHECKING, Any
 
-from sidecar.adapters.peer_settings import Setting, check_settings
+from sidecar.adapters.peer_settings import Setting, check_settings, parse_settings
 
 if TYPE_CHECKING:  # the tap loads torch: imported where a tree is built, not by `--help`
     from sidecar.adapters.sglang.tap import SglangTap
@@ -70,11 +69,7 @@ def tap_config() -> dict[str, Any]:
         raise ValueError(f"kv-sidecar's SGLang backend needs {CONFIG_ENV}, a JSON object "
                          "with at least 'endpoint' (the sidecar's probe socket, e.g. "
                          "ipc:///tmp/kvsidecar/sglang.sock)")
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{CONFIG_ENV} is not JSON: {exc}") from None
-    return check_settings(cfg, TAP_KEYS, CONFIG_ENV)
+    return check_settings(parse_settings(raw, CONFIG_ENV), TAP_KEYS, CONFIG_ENV)
 
 
 def check_sglang_version(found: str) -> None:

@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 
-from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV
+from sidecar.adapters.peer_settings import check_settings
+from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV, TAP_KEYS
 from sidecar.checks import tolerance
 from sidecar.cli.arg_types import bounded
 from sidecar.config.settings import POLL_PERIOD
@@ -29,6 +30,11 @@ from sidecar.config.settings import POLL_PERIOD
 def _engine_args(a: argparse.Namespace) -> int:
     tap = {"endpoint": a.probe, "block_size": a.block_size, "sample_every": a.sample_every,
            "blocks_per_sample": a.blocks_per_sample, "seed": a.seed}
+    try:  # what the tap will check at SGLang's start, checked before it is printed
+        check_settings(tap, TAP_KEYS, "settings")
+    except ValueError as exc:
+        print(f"kv-sidecar sglang engine-args: error: {exc}", file=sys.stderr)
+        return 2
     print(f"export {CONFIG_ENV}={shlex.quote(json.dumps(tap))}")
     print(f"# then: python -m sglang.launch_server ... --radix-cache-backend {BACKEND_NAME} "
           "--page-size 1 --enable-metrics")
@@ -111,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    for noisy in ("apscheduler", "torch"):  # torch logs cache stats at INFO on exit
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     p = parser()
     if not argv and argv is not None:  # `kv-sidecar sglang` alone: which subcommand?
         p.print_help()

@@ -23,8 +23,9 @@ import threading
 import time
 from typing import Any
 
+from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.vllm import arguments
-from sidecar.adapters.vllm.engine_config import events_config, probe_transfer_config
+from sidecar.adapters.vllm.engine_config import PROBE_KEYS, events_config, probe_transfer_config
 from sidecar.checks import tolerance
 from sidecar.config.cli import add_config_arguments, configure
 from sidecar.config.layers import ConfigError
@@ -40,9 +41,14 @@ def _engine_args(a: argparse.Namespace) -> int:
         # default), the sidecar mirrors it (sidecar/export/outlook.py).
         burst = SidecarConfig(**{k: v for k, v in getattr(a, "sidecar_overrides", {}).items()
                                  if k in ("burst_hits", "burst_every")})
-        flags += ["--kv-transfer-config", json.dumps(probe_transfer_config(
-            a.probe, a.sample_every, a.blocks_per_sample, a.seed, burst.burst_hits,
-            burst.burst_every, a.fingerprint_every))]
+        probe = probe_transfer_config(a.probe, a.sample_every, a.blocks_per_sample, a.seed,
+                                      burst.burst_hits, burst.burst_every, a.fingerprint_every)
+        try:  # what the probe will check at vLLM's start, checked before it is printed
+            check_settings(probe["kv_connector_extra_config"], PROBE_KEYS, "probe settings")
+        except ValueError as exc:
+            print(f"kv-sidecar vllm engine-args: error: {exc}", file=sys.stderr)
+            return 2
+        flags += ["--kv-transfer-config", json.dumps(probe)]
     if a.events:
         flags += ["--kv-events-config", json.dumps(events_config(a.events, a.replay))]
     if not flags:  # an empty line would pass for "no flags needed"
@@ -218,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    for noisy in ("apscheduler", "torch"):  # torch logs cache stats at INFO on exit
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     p = parser()
     if not argv and argv is not None:  # `kv-sidecar vllm` alone: which subcommand?
         p.print_help()

@@ -15,28 +15,43 @@ IPC_DIRS = tuple(dict.fromkeys(("/tmp", "/run", "/var/run", "/dev/shm", tempfile
                                 os.environ.get("XDG_RUNTIME_DIR") or "/run")))
 
 
+def _loopback_tcp(endpoint: str) -> bool:
+    """``tcp://127.0.0.1:<port>`` exactly: a port of 1-5 ASCII digits in 1..65535 and nothing
+    after it (ZMQ reads ``tcp://127.0.0.1:5;10.0.0.1:5`` as "from 127.0.0.1:5 to 10.0.0.1:5",
+    so a prefix test let any address through)."""
+    port = endpoint.removeprefix("tcp://127.0.0.1:")
+    return port != endpoint and port.isascii() and port.isdigit() and len(port) <= 5 \
+        and 0 < int(port) <= 65535
+
+
+def _plain_path(path: str) -> bool:
+    """An absolute path with no control character and no ``;`` (ZMQ's source separator)."""
+    return path.startswith("/") and ";" not in path and path.isprintable()
+
+
 def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
     """Refuse endpoints any other host or user could send to (ValueError says why)."""
-    if endpoint.startswith("ipc://"):
+    if endpoint.startswith("ipc://") and _plain_path(endpoint.removeprefix("ipc://")):
         path = os.path.realpath(endpoint.removeprefix("ipc://"))
         if not any(path == d or path.startswith(d.rstrip("/") + "/")
                    for d in (os.path.realpath(d) for d in ipc_dirs)):
-            raise ValueError(f"probe socket {path} is not under an allowed directory "
+            raise ValueError(f"probe socket {path!r} is not under an allowed directory "
                              f"{list(ipc_dirs)}")
         return
-    if endpoint.startswith("tcp://127.0.0.1:"):
+    if _loopback_tcp(endpoint):
         return
-    raise ValueError(f"probe endpoint {endpoint!r} must be ipc://<path> or "
+    raise ValueError(f"probe endpoint {endpoint[:80]!r} must be ipc://<absolute path> or "
                      f"tcp://127.0.0.1:<port> (the probe pipe is not authenticated)")
 
 
 def check_peer_endpoint(endpoint: str) -> None:
     """Refuse an endpoint an in-engine probe or tap would send KV to that is not on this
-    host (ValueError says why): ``ipc://`` (any path: the sidecar that binds it applies
-    :func:`check_endpoint`, under its own temp directory) or ``tcp://127.0.0.1:<port>``."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+    host (ValueError says why): ``ipc://`` with an absolute path (any directory: the sidecar
+    that binds it applies :func:`check_endpoint`, under its own temp directory) or
+    ``tcp://127.0.0.1:<port>``."""
+    if endpoint.startswith("ipc://") and _plain_path(endpoint.removeprefix("ipc://")):
         return
-    if endpoint.startswith("tcp://127.0.0.1:"):
+    if _loopback_tcp(endpoint):
         return
-    raise ValueError(f"probe endpoint {endpoint!r} must be ipc://<path> or "
+    raise ValueError(f"probe endpoint {endpoint[:80]!r} must be ipc://<absolute path> or "
                      f"tcp://127.0.0.1:<port>: the probe ships KV only to a sidecar on this host")
