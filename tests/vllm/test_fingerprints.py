@@ -54,6 +54,7 @@ CONVERSATIONS = 24
 TURNS = 5  # turn 1 misses; turns 2-5 hit what the turns before wrote (answers included)
 FIRST, ANSWER, USER = 64, 48, 24  # tokens: first prompt, each answer, each user message
 MIN_CLEAN_BLOCKS = 500
+EXTRA_TURNS = 3  # at most, while fewer than MIN_CLEAN_BLOCKS were verified (prompts <= 712)
 # (conversation, write path of the victim block, noise scale): one victim per conversation.
 VICTIMS = ((0, "prefill", 1e-2), (1, "prefill", 1e-3), (2, "decode", 1e-2),
            (3, "decode", 1e-3))
@@ -118,13 +119,23 @@ def run(request: pytest.FixtureRequest, models: dict[str, str]) -> Iterator[dict
     try:
         rng = random.Random(23)
         convs = [[rng.randrange(3, 500) for _ in range(FIRST)] for _ in range(CONVERSATIONS)]
-        for _ in range(TURNS):
+        samples: list[Any] = []
+        verdicts: list[Any] = []
+        # TURNS turns, then more (at most EXTRA_TURNS) until MIN_CLEAN_BLOCKS were verified:
+        # under load the probe drops captures its queue cannot hold (counted, by design), and
+        # a fixed amount of traffic verified 469 blocks beside two CPU hogs.
+        for turn in range(TURNS + EXTRA_TURNS):
             answers = _generate(eng, convs, ANSWER)
             convs = [c + a + [rng.randrange(3, 500) for _ in range(USER)]
                      for c, a in zip(convs, answers, strict=True)]
-        eng.sidecar.quiesce()
-        samples = eng.sidecar.take_pending()
-        verdicts = [eng.sidecar.monitor.verify_sample(s) for s in samples]
+            if turn + 1 < TURNS:
+                continue
+            eng.sidecar.quiesce()
+            new = eng.sidecar.take_pending()
+            samples += new
+            verdicts += [eng.sidecar.monitor.verify_sample(s) for s in new]
+            if sum(len(v.verified) for v in verdicts) >= MIN_CLEAN_BLOCKS:
+                break
         yield {"engine": eng, "model": model, "convs": convs, "samples": samples,
                "verdicts": verdicts, "rng": rng, "started": started}
     finally:
