@@ -178,12 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # SIGTERM unwinds like Ctrl-C, so finally blocks close what a command opened; the engine
-    # adapters' commands install their own handler once they serve, and until then keep
-    # the default (the process ends at once: an exception raised into their torch import
-    # left a half-imported numpy and a traceback).
-    if argv[:1] not in (["vllm"], ["sglang"]):
-        signal.signal(signal.SIGTERM, _interrupt)
+    # The engine adapters' commands (the two branches below) keep SIGTERM's default until
+    # they install their own handler once they serve: the process ends at once (an exception
+    # raised into their torch import left a half-imported numpy and a traceback).
     if argv[:1] == ["vllm"]:  # its own parser: every flag after `vllm` is the adapter's
         try:
             require("vllm")
@@ -202,6 +199,8 @@ def _main(argv: Sequence[str] | None) -> int:
         from sidecar.adapters.sglang.cli import main as sglang_main
 
         return sglang_main(argv[1:])  # alone: its help, exit 2
+    # Every other command: SIGTERM unwinds like Ctrl-C, so finally blocks close what it opened.
+    signal.signal(signal.SIGTERM, _interrupt)
     if argv[:1] and argv[0] in TESTBED_COMMANDS and testbed_parsers() is None:
         print(f"kv-sidecar: error: {TESTBED_MISSING.format(command=argv[0])}", file=sys.stderr)
         return 2

@@ -29,19 +29,27 @@ def _plain_path(path: str) -> bool:
     return path.startswith("/") and ";" not in path and path.isprintable()
 
 
+def _local(endpoint: str, why: str) -> str | None:
+    """The ``ipc://`` path of a local endpoint, None for ``tcp://127.0.0.1:<port>``;
+    anything else is a ValueError ending with ``why``."""
+    if endpoint.startswith("ipc://") and _plain_path(endpoint.removeprefix("ipc://")):
+        return endpoint.removeprefix("ipc://")
+    if _loopback_tcp(endpoint):
+        return None
+    raise ValueError(f"probe endpoint {endpoint[:80]!r} must be ipc://<absolute path> or "
+                     f"tcp://127.0.0.1:<port>{why}")
+
+
 def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
     """Refuse endpoints any other host or user could send to (ValueError says why)."""
-    if endpoint.startswith("ipc://") and _plain_path(endpoint.removeprefix("ipc://")):
-        path = os.path.realpath(endpoint.removeprefix("ipc://"))
-        if not any(path == d or path.startswith(d.rstrip("/") + "/")
-                   for d in (os.path.realpath(d) for d in ipc_dirs)):
-            raise ValueError(f"probe socket {path!r} is not under an allowed directory "
-                             f"{list(ipc_dirs)}")
+    ipc = _local(endpoint, " (the probe pipe is not authenticated)")
+    if ipc is None:
         return
-    if _loopback_tcp(endpoint):
-        return
-    raise ValueError(f"probe endpoint {endpoint[:80]!r} must be ipc://<absolute path> or "
-                     f"tcp://127.0.0.1:<port> (the probe pipe is not authenticated)")
+    path = os.path.realpath(ipc)
+    if not any(path == d or path.startswith(d.rstrip("/") + "/")
+               for d in (os.path.realpath(d) for d in ipc_dirs)):
+        raise ValueError(f"probe socket {path!r} is not under an allowed directory "
+                         f"{list(ipc_dirs)}")
 
 
 def check_peer_endpoint(endpoint: str) -> None:
@@ -49,9 +57,4 @@ def check_peer_endpoint(endpoint: str) -> None:
     host (ValueError says why): ``ipc://`` with an absolute path (any directory: the sidecar
     that binds it applies :func:`check_endpoint`, under its own temp directory) or
     ``tcp://127.0.0.1:<port>``."""
-    if endpoint.startswith("ipc://") and _plain_path(endpoint.removeprefix("ipc://")):
-        return
-    if _loopback_tcp(endpoint):
-        return
-    raise ValueError(f"probe endpoint {endpoint[:80]!r} must be ipc://<absolute path> or "
-                     f"tcp://127.0.0.1:<port>: the probe ships KV only to a sidecar on this host")
+    _local(endpoint, ": the probe ships KV only to a sidecar on this host")
