@@ -17,13 +17,15 @@ from kvtestbed.bench.fuzz_hits import (
 )
 
 from sidecar import signals as S
-from sidecar.core.hit_input import check_sampled_hit
+from sidecar.core.hit_input import check_hit_shape, check_sampled_hit
 from sidecar.core.protocol import Hit, Lookup, StoredBlock
 
 
 @pytest.fixture(scope="module")
 def sampled():  # type: ignore[no-untyped-def]
-    engine, mon = reference(sample_every=1)
+    # Verified inline: the verifier checks every id of a sampled hit (the engine's thread
+    # only its shape and the ids it picks), so its count is there when the hook returns.
+    engine, mon = reference(sample_every=1, dispatch="inline")
     good = good_lookup(engine)
     yield mon, good
     mon.stop()
@@ -74,6 +76,24 @@ def test_a_good_sampled_hit_passes_the_shape_check(sampled) -> None:
     mon, good = sampled
     assert check_sampled_hit(good.hit, mon.info.groups) is None
     assert check_sampled_hit(_hit(good, blocks={0: range(4)}).hit, mon.info.groups) is None
+    assert check_hit_shape(good.hit, mon.info.groups) is None
+
+
+def test_the_engine_thread_reads_no_id_it_does_not_pick(sampled) -> None:
+    """The shape check is O(groups): a bad id in the middle of a hit passes it and is
+    found by the full check, which the verifier runs; a bad id the sampler picks (the last
+    block) is refused on the engine's thread and no sample is taken."""
+    mon, good = sampled
+    n = good.hit_tokens // 4
+    middle = _hit(good, blocks={0: [0, None, *range(2, n)]}).hit
+    assert check_hit_shape(middle, mon.info.groups) is None
+    assert check_sampled_hit(middle, mon.info.groups) == S.InputReject.TYPE
+    sampled_before = mon.metrics.value(S.SAMPLED.name)
+    before = _rejected(mon, "on_lookup", "negative")
+    last = good.hit_tokens // mon.info.block_size - 1  # the block the sampler always picks
+    mon.on_lookup(_hit(good, blocks={0: [*range(last), -5, *range(last + 1, n)]}))
+    assert _rejected(mon, "on_lookup", "negative") == before + 1
+    assert mon.metrics.value(S.SAMPLED.name) == sampled_before
 
 
 @pytest.mark.parametrize("call", [

@@ -88,26 +88,30 @@ def test_journal_drain_rejects_out_of_range_stores_and_applies_the_rest() -> Non
     assert index.epoch(0, 4) == 1 and index.epoch(0, 3) == 0 and len(index) == 1
 
 
-def test_a_checked_hit_event_is_applied_without_a_second_check_and_an_unchecked_one_is_checked(
-) -> None:
-    """A sampled hit's lifecycle event comes after check_sampled_hit (the Monitor's _log_hit):
-    the journal applies it as it is; the same ids unchecked are refused, as before."""
+def test_a_hit_event_is_applied_as_it_is_and_read_back_only_when_its_ids_are_ids() -> None:
+    """A sampled hit's lifecycle event is applied as it is (the verifier checks its ids, off
+    the engine's thread); the lifecycle's readers leave out one whose ids are not ids. The
+    same bad ids in an ordinary lifecycle event are refused when applied, as before."""
     rejected: list[tuple[str, object]] = []
     log = LifecycleLog(1.0, window=64, kept=64)
     journal = CacheEventJournal(StoreIndex(100), log,
                                 reject=lambda hook, why: rejected.append((hook, why)) or
                                 why is not None)
-    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 1, [1, 2], [1, 1], 32, checked=True))
-    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 2, [3, -4], [1, 1], 32))
-    assert journal.drain() == 2
-    assert [e[2] for e in _events(log)] == [1]  # the checked one applied
-    assert [hook for hook, _ in rejected] == ["on_lookup"]  # the unchecked bad one refused
+    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 1, [1, 2], [1, 1], 32, as_is=True))
+    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 2, [3, -4], [1, 1], 32, as_is=True))
+    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 3, [1, "x"], [1, 1], 32, as_is=True))
+    journal.append(lifecycle_event(LifecycleOp.HIT, 0, 4, [3, -4], [1, 1], 32))
+    assert journal.drain() == 4
+    assert log.events == 3  # the three as-is events applied, the ordinary bad one not
+    assert [e[2] for e in _events(log)] == [1]  # read back: the good one only
+    assert [e["seq"] for e in log.path(0, [1, 3])] == [1]
+    assert [hook for hook, _ in rejected] == ["on_lookup"]  # the ordinary bad one refused
 
 
-def test_the_monitor_journals_a_sampled_hit_as_checked() -> None:
+def test_the_monitor_journals_a_sampled_hit_as_it_is() -> None:
     from kvtestbed.bench.perf_hooks import hit_lookup, monitor_for
 
-    from sidecar.core.journal_hooks import CHECKED_LIFECYCLE_EVENT
+    from sidecar.core.journal_hooks import AS_IS_LIFECYCLE_EVENT
 
     mon = monitor_for(1, queue_size=4)
     mon.journal.drain()
@@ -115,4 +119,4 @@ def test_the_monitor_journals_a_sampled_hit_as_checked() -> None:
     append = mon.journal.append
     mon.journal.append = lambda ev: (seen.append(ev), append(ev))[1]  # type: ignore[method-assign]
     mon.on_lookup(hit_lookup(0, blocks=4))
-    assert [ev[0] for ev in seen] == [CHECKED_LIFECYCLE_EVENT]
+    assert [ev[0] for ev in seen] == [AS_IS_LIFECYCLE_EVENT]

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.core.hook_input import check_block_ids
 from sidecar.core.protocol import SequenceId
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class LifecycleLog:
         self._kept.extend(kept)
         if log.isEnabledFor(logging.INFO):
             for ev in kept:
-                log.info("block lifecycle: %s", LifecycleEvent(*ev))
+                if readable(ev):
+                    log.info("block lifecycle: %s", LifecycleEvent(*ev))
 
     def trigger(self) -> None:
         """An anomaly fired: log the next ``burst`` events at full rate."""
@@ -152,7 +154,7 @@ class LifecycleLog:
         with self._lock:
             raw = {e[0]: e for e in _copy(self._kept)}
             raw.update((e[0], e) for e in _copy(self._window))
-        events = [LifecycleEvent(*e) for e in raw.values()]
+        events = [LifecycleEvent(*e) for e in raw.values() if readable(e)]
         hits = sorted((e for e in events if e.names(group_id, blocks)), key=lambda e: e.n)
         return [e.as_dict() for e in hits[-limit:]]
 
@@ -161,7 +163,7 @@ class LifecycleLog:
         self._catch_up()
         with self._lock:
             kept = _copy(self._kept)[-n:]
-        return [LifecycleEvent(*e).as_dict() for e in kept]
+        return [LifecycleEvent(*e).as_dict() for e in kept if readable(e)]
 
 
     def _catch_up(self) -> None:
@@ -178,3 +180,17 @@ def _copy(events: deque[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         except RuntimeError:
             continue
     return []
+
+
+def readable(ev: tuple[Any, ...]) -> bool:
+    """Whether an event can be read back. A sampled hit's event is applied as it is, its
+    ids unchecked (checking 2 x 128 ids on the engine's thread cost more than the rest of a
+    sampled hit; the verifier checks them off it and counts a bad hit): one whose ids or
+    generations are not ids is left out of what readers see. Every other event's ids were
+    checked when the journal applied it."""
+    if ev[2] is not LifecycleOp.HIT:
+        return True
+    try:
+        return check_block_ids(ev[5]) is None and check_block_ids(ev[6], 1 << 62) is None
+    except Exception:  # an object whose own __index__ raises
+        return False

@@ -1,8 +1,8 @@
 """The verifier: runs the checks on one sampled hit, cheapest first, and returns a Verdict.
 
 Order (each stage only spends what the previous ones could not decide):
-  1. identity (:mod:`sidecar.checks.identity`): key consistency and, per cache group,
-     coverage — no adapter call at all;
+  0. the hit's ids (:func:`sidecar.core.hit_input.check_sampled_hit`): a bad one is counted;
+  1. identity (:mod:`sidecar.checks.identity`): key consistency, coverage per cache group;
   2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
      legitimately reused before we got to them: dropped, not flagged;
   3. structure, content stats, write-time fingerprint — on the bytes just read;
@@ -16,8 +16,7 @@ Order (each stage only spends what the previous ones could not decide):
      window off by a block, stale recurrent state, partial tier load).
 
 Admission (:mod:`sidecar.core.admission`): recomputes in flight and verifications of blocks
-recovered through an offload tier are capped; over a cap the sample is dropped
-(``admission``), never queued.
+recovered through an offload tier are capped; over one, dropped (``admission``), not queued.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
 from sidecar.core.admission import Gate
 from sidecar.core.attach import Capabilities, resolve
+from sidecar.core.hit_input import check_sampled_hit
 from sidecar.core.protocol import (
     Adapter,
     BlockKV,
@@ -55,7 +55,7 @@ from sidecar.core.protocol import (
     WritePath,
 )
 from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
-from sidecar.signals import AnomalyKind, DropReason
+from sidecar.signals import AnomalyKind, DropReason, InputReject
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,12 @@ class Verifier:
                  epoch_of: Callable[[int, int], int] | None = None,
                  calibration: Calibration | None = None,
                  max_recomputes: int = 0, max_recoveries: int = 0,
-                 capabilities: Capabilities | None = None) -> None:
+                 capabilities: Capabilities | None = None,
+                 reject: Callable[[str, InputReject | None], bool] | None = None) -> None:
         self.adapter = adapter
+        # Counts a sampled hit whose ids are not ids (hook_input_rejected_total; the engine's
+        # thread checked only its shape and the ids it picked): True when it is refused.
+        self.reject = reject or (lambda hook, why: why is not None)
         self.epoch_of = epoch_of
         # As resolved at attach (sidecar.core.attach), or here for a verifier on its own.
         self.capabilities = caps = capabilities or resolve(adapter, quiet=True)
@@ -141,6 +145,8 @@ class Verifier:
     def verify(self, sample: Sample) -> Verdict:
         started = time.perf_counter()
         verdict = Verdict(sample)
+        if self.reject("on_lookup", check_sampled_hit(sample.hit, self.info.groups)):
+            return verdict  # before anything reads the hit's ids: nothing verified
         # Blocks served through an offload tier are re-read through its load path: a
         # recovery slot for the whole verification, or the sample is dropped.
         recovered = any(tier_state_at(sample.hit, r.group_id, r.index) is not None

@@ -65,7 +65,7 @@ def wire(mon: Any, registry: CollectorRegistry | None, caps: Capabilities) -> No
                             calibration=Calibration(info.dtype, info.kv_storage,
                                                     calibration_config(c), model=info.model),
                             max_recomputes=c.max_concurrent_recomputes,
-                            max_recoveries=c.max_concurrent_recoveries,
+                            max_recoveries=c.max_concurrent_recoveries, reject=mon._reject,
                             capabilities=caps)
     mon.evidence = EvidenceLog(c.evidence_capacity, c.evidence_dir)
     mon._latencies = deque(maxlen=c.latency_window)
@@ -88,6 +88,7 @@ def wire(mon: Any, registry: CollectorRegistry | None, caps: Capabilities) -> No
     mon._c_lookups = m.cell(S.LOOKUPS)
     mon._c_query_tokens = m.cell(S.QUERY_TOKENS)
     mon._c_hits = m.cell(S.HITS)
+    mon._c_sampled = m.cell(S.SAMPLED)
     mon._c_hit_tokens = m.cell(S.HIT_TOKENS)
     mon._h_latency = m.cell(S.REQUEST_LATENCY)
     mon.group_signals = GroupSignals(m, info)  # hits per group, tier recoveries

@@ -42,8 +42,10 @@ class BlockCursors:
             if start is None:
                 start = self._rng.randrange(size)
             self._next[key] = (start + n) % size
-            while len(self._next) > self.capacity:
+            if len(self._next) > self.capacity:  # one key added at a time: one out
                 self._next.popitem(last=False)
+        if n == 1:  # the default (two blocks per sample): no comprehension
+            return [span[start]]
         return [span[(start + j) % size] for j in range(n)]
 
 

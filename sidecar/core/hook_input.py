@@ -27,6 +27,7 @@ MAX_GROUP = 1 << 10
 MAX_BLOCK_ID = 1 << 40
 MAX_BLOCK_TOKENS = 1 << 16  # tokens of one block
 MAX_LATENCY_S = 86_400.0  # a request that took a day is a clock bug
+_PLAIN = (list, tuple, range)
 
 
 def _int_reason(v: Any, hi: int) -> InputReject | None:
@@ -56,8 +57,11 @@ def check_lookup(lookup: Any) -> InputReject | None:
         hit = lookup.hit
         if hit is None:
             return None
-        if not isinstance(hit, Hit) or not isinstance(hit.blocks, Mapping) or \
-                not isinstance(hit.tokens, Sequence) or not isinstance(hit.generations, Mapping):
+        # Exact types first: the ABCs' isinstance costs ~2k instructions each.
+        if not isinstance(hit, Hit) or not (
+                type(hit.blocks) is dict or isinstance(hit.blocks, Mapping)) or not (
+                type(hit.tokens) in _PLAIN or isinstance(hit.tokens, Sequence)) or not (
+                type(hit.generations) is dict or isinstance(hit.generations, Mapping)):
             return InputReject.TYPE
         why = _int_reason(hit.hit_tokens, MAX_TOKENS)
         if why is not None:

@@ -35,7 +35,7 @@ from sidecar.core.hook_input import (
     check_blocks,
     check_store,
 )
-from sidecar.core.journal_hooks import CHECKED_LIFECYCLE_EVENT as _CHECKED
+from sidecar.core.journal_hooks import AS_IS_LIFECYCLE_EVENT as _AS_IS
 from sidecar.core.journal_hooks import FREE_EVENT as _FREE
 from sidecar.core.journal_hooks import STORE_EVENT as _STORE
 from sidecar.core.protocol import StoredBlock
@@ -177,7 +177,7 @@ class CacheEventJournal:
                             add((number, ev[3], _OP_EVICT, g, None, ids, (), None))
                         else:
                             _, op, group, seq, ids, gens, length, at = ev
-                            if kind != _CHECKED and not (_plain_ids(ids, MAX_BLOCK_ID)
+                            if kind != _AS_IS and not (_plain_ids(ids, MAX_BLOCK_ID)
                                     and _plain_ids(gens, _MAX_GENERATION)) \
                                     and reject(_LIFECYCLE_HOOK.get(op, "on_release"),
                                                check_block_ids(ids)

@@ -39,9 +39,10 @@ _now = time.time
 #   (FREE_EVENT, group_id, block_ids: tuple, at)
 #   (LIFECYCLE_EVENT, op: LifecycleOp, group_id, seq_id, block_ids: tuple,
 #    generations: tuple, length: int | None, at)
-#   (CHECKED_LIFECYCLE_EVENT, ...): the same, its ids and generations already checked by the
-#    caller (a sampled hit, after sidecar.core.hit_input.check_sampled_hit): not checked again
-STORE_EVENT, FREE_EVENT, LIFECYCLE_EVENT, CHECKED_LIFECYCLE_EVENT = 0, 1, 2, 3
+#   (AS_IS_LIFECYCLE_EVENT, ...): the same, applied without the per-id check: a sampled hit's
+#    (its ids are checked where they are read: the verifier, sidecar.core.hit_input, and the
+#    lifecycle's readers, which skip an event whose ids are not ids)
+STORE_EVENT, FREE_EVENT, LIFECYCLE_EVENT, AS_IS_LIFECYCLE_EVENT = 0, 1, 2, 3
 
 
 def store_event(block: StoredBlock) -> tuple[Any, ...]:
@@ -61,10 +62,11 @@ def free_event(group_id: int, block_ids: Sequence[int]) -> tuple[Any, ...]:
 
 def lifecycle_event(op: LifecycleOp, group_id: int, seq_id: Any, block_ids: Sequence[int],
                     generations: Sequence[int] = (), length: int | None = None,
-                    checked: bool = False) -> tuple[Any, ...]:
+                    as_is: bool = False) -> tuple[Any, ...]:
     """A lifecycle-only event (allocate, release, hit), kept in order with the rest;
-    ``checked``: its ids and generations were checked already (the journal skips that)."""
-    return (CHECKED_LIFECYCLE_EVENT if checked else LIFECYCLE_EVENT, op, group_id, seq_id,
+    ``as_is``: the journal applies it without checking its ids and generations (a sampled
+    hit's: checked where they are read)."""
+    return (AS_IS_LIFECYCLE_EVENT if as_is else LIFECYCLE_EVENT, op, group_id, seq_id,
             tuple(block_ids), tuple(generations), length, _now())
 
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
-from sidecar.allocator import AllocatorHealth, LifecycleLog, LifecycleOp
+from sidecar.allocator import AllocatorHealth, LifecycleLog
 from sidecar.allocator.poller import AllocatorPoller
 from sidecar.checks.scrub import Scrubber
 from sidecar.checks.verifier import Sample, Verdict, Verifier
@@ -35,9 +35,9 @@ from sidecar.core import hook_input as HI
 from sidecar.core.cache_view import CacheView
 from sidecar.core.compose import wire
 from sidecar.core.dispatch import Dispatcher
-from sidecar.core.hit_input import check_sampled_hit
+from sidecar.core.hit_input import check_hit_shape, check_sampled_hit
 from sidecar.core.journal import CacheEventJournal
-from sidecar.core.journal_hooks import JournaledHooks, lifecycle_event
+from sidecar.core.journal_hooks import JournaledHooks
 from sidecar.core.protocol import (
     Adapter,
     AllocatorState,
@@ -47,10 +47,10 @@ from sidecar.core.protocol import (
     EngineInfo,
     Hit,
     Lookup,
-    SequenceId,
     TierState,
 )
 from sidecar.core.report import VerdictReporter
+from sidecar.core.sampled_hits import SampledHits
 from sidecar.core.sampling import Burst, Sampler, UniformSampler
 from sidecar.core.store_index import StoreIndex
 from sidecar.core.time_limits import Guard
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Monitor(JournaledHooks):
+class Monitor(JournaledHooks, SampledHits):
     """Implements :class:`sidecar.core.protocol.EventSink` (module docstring); collaborators
     are set by :func:`sidecar.core.compose.wire`; the hooks need only an EventJournal."""
 
@@ -88,6 +88,7 @@ class Monitor(JournaledHooks):
     _c_lookups: Any
     _c_query_tokens: Any
     _c_hits: Any
+    _c_sampled: Any
     _c_hit_tokens: Any
     _h_latency: Any
     group_signals: GroupSignals
@@ -142,8 +143,9 @@ class Monitor(JournaledHooks):
             self._c_hit_tokens.value += h
             hit = lookup.hit
             if hit is not None and self._should_sample(hit):  # walked from here on
+                # O(groups) here; every id is checked by the verifier (sidecar.core.hit_input)
                 if self._reject("on_lookup", HI.check_lookup(lookup)
-                                or check_sampled_hit(hit, self.info.groups)):
+                                or check_hit_shape(hit, self.info.groups)):
                     return
                 self._enqueue(hit, lookup.seq_id, h)
         except Exception as exc:
@@ -172,7 +174,7 @@ class Monitor(JournaledHooks):
             if not refs:
                 return None
             self._log_hit(hit, lookup.seq_id, lookup.hit_tokens)
-            self.metrics.inc(S.SAMPLED)
+            self._c_sampled.value += 1
             return self.dispatcher.submit(self._take(hit, refs, captured, writes))
         except Exception as exc:
             self._hook_failed("on_captured", exc)
@@ -207,60 +209,7 @@ class Monitor(JournaledHooks):
         except Exception as exc:
             self._hook_failed("on_request_done", exc)
 
-    def _sample(self, hit: Hit) -> Sample | None:
-        """The blocks to check, their store records and epochs as they are now (match
-        time), and, where the adapter can, a capture of the KV the request is served."""
-        refs = tuple(self.sampler.choose(hit, self.info.block_size,
-                                         self.config.blocks_per_sample, self.info.groups))
-        if not refs:
-            return None
-        return self._take(hit, refs, self._capture_now(hit, refs))
-
-    def _take(self, hit: Hit, refs: tuple[BlockRef, ...],
-              captured: dict[BlockRef, BlockKV] | None,
-              writes: Mapping[BlockRef, BlockWrite] | None = None) -> Sample:
-        """A sample as of this match: every store/free so far applied, then the refs'
-        store records and epochs snapshotted next to the capture."""
-        records, epochs = self.cache.snapshot(refs)
-        return Sample(hit, refs, records, time.time(), epochs, captured, writes or {})
-
-    def _capture_now(self, hit: Hit, refs: tuple[BlockRef, ...]
-                     ) -> dict[BlockRef, BlockKV] | None:
-        """The served bytes of ``refs``, copied on the engine's thread before the hook
-        returns (bounded in bytes); ``None`` when the adapter cannot or the copy failed."""
-        if self._capture is None:
-            return None
-        try:
-            blocks = self._capture(hit, refs)
-        except Exception as exc:
-            self._hook_failed("capture", exc)
-            return None
-        out: dict[BlockRef, BlockKV] = {}
-        size = 0
-        for b in blocks:
-            if b.ref in refs:
-                size += b.key.numel() * b.key.element_size() * 2
-                out[b.ref] = b
-        if size > self.config.capture_max_bytes:
-            self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.CAPTURE_TOO_LARGE.value)
-            return None
-        return out
-
-    def _enqueue(self, hit: Hit, seq_id: SequenceId | None = None,
-                 hit_tokens: int | None = None) -> None:
-        self._log_hit(hit, seq_id, hit_tokens)
-        sample = self._sample(hit)
-        if sample is None:
-            return
-        self.metrics.inc(S.SAMPLED)
-        self.dispatcher.submit(sample)
-
-    def _log_hit(self, hit: Hit, seq_id: SequenceId | None, hit_tokens: int | None) -> None:
-        """The lifecycle's hit event per group (sampled hits only), its ids checked already."""
-        for group_id, blocks in hit.blocks.items():
-            self.journal.append(lifecycle_event(LifecycleOp.HIT, group_id, seq_id, blocks,
-                                                hit.generations.get(group_id, ()),
-                                                hit_tokens, checked=True))
+    # _enqueue, _sample, _take, _capture_now, _log_hit: sidecar.core.sampled_hits (SampledHits)
 
     def _reject(self, hook: str, why: HI.InputReject | None) -> bool:
         """Count a rejected hook input (``hook_input_rejected_total{hook,reason}``) through

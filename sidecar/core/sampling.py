@@ -39,9 +39,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from sidecar.checks.group_coverage import is_null, required_blocks
+from sidecar.checks.group_coverage import groups_by_id, is_null, required_blocks
 from sidecar.core.burst import Burst
 from sidecar.core.coverage_cursor import BlockCursors
+from sidecar.core.hit_input import picked_block_id
 from sidecar.core.protocol import BlockRef, CacheGroup, Hit, SequenceId, StoredBlock
 
 
@@ -296,7 +297,9 @@ def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
     recurrent
     group's last boundary) and never one of its null (padding) blocks, which hold no KV.
     A null block or a gap where a group must hold state is not chosen but found by the
-    verifier's coverage check, which looks at the whole hit.
+    verifier's coverage check, which looks at the whole hit. A picked id that is not a block
+    id raises :class:`sidecar.core.hit_input.BadHit` (the hit's other ids are not read here:
+    the verifier checks them all, off the engine's thread).
 
     ``groups`` is the engine's :class:`CacheGroup` list (``EngineInfo.groups``); a group the
     hit names that is not in it (or no list at all) is treated as full attention.
@@ -305,7 +308,7 @@ def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
     n_full = hit.hit_tokens // block_size
     if n_full <= 0 or max_blocks <= 0:
         return []
-    by_id = {g.group_id: g for g in groups}
+    by_id = groups_by_id(groups)
     refs: list[BlockRef] = []
     for group_id, block_ids in sorted(hit.blocks.items()):
         group = by_id.get(group_id)
@@ -314,9 +317,9 @@ def choose_blocks(hit: Hit, block_size: int, max_blocks: int,
         span = range(span.start, min(span.stop, len(block_ids)))
         if not span:
             continue
-        key = (group_id, int(block_ids[span[-1]]), span.start, span.stop)
+        key = (group_id, picked_block_id(block_ids, span[-1]), span.start, span.stop)
         for i in sorted(_pick(span, max_blocks, rng, last_block, cursors, key)):
-            b = int(block_ids[i])
+            b = picked_block_id(block_ids, i)
             if group is None or not is_null(group, b):
                 refs.append(BlockRef(group_id=group_id, index=i, block_id=b))
     return refs

@@ -17,7 +17,8 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else 0.0
 
 
-def reference(sample_every: int = 1000, timeout_s: float = 0.2) -> tuple[Any, Any]:
+def reference(sample_every: int = 1000, timeout_s: float = 0.2, **config: Any
+              ) -> tuple[Any, Any]:
     from kvtestbed.adapters.paged_adapter import ReferenceAdapter
     from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
     from kvtestbed.engines.model import ModelConfig
@@ -28,7 +29,7 @@ def reference(sample_every: int = 1000, timeout_s: float = 0.2) -> tuple[Any, An
     adapter = ReferenceAdapter(engine)
     mon = Monitor(adapter, SidecarConfig(sample_every=sample_every, adapter_timeout_s=timeout_s,
                                          recompute_tokens_per_s=0,
-                                         allocator_check_min_interval_s=-1))
+                                         allocator_check_min_interval_s=-1, **config))
     engine.sink = mon
     return engine, mon
 

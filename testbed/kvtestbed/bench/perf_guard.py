@@ -206,8 +206,10 @@ def guard_rows(quick: bool, repeats: int, raw: dict[str, Any],
             g["p99_ms"] / d["p99_ms"], "-", None),
     ]
     cpu = m["cpu_ms_per_request"]
-    if cpu["upstream_via_direct"] > 0:  # the stand-in: its CPU is known too
-        served = cpu["guard_via_guard"] + cpu["upstream_via_guard"]
+    served = cpu["guard_via_guard"] + cpu["upstream_via_guard"]
+    # Both sides measured (CPU time moves in clock ticks: a short run may see none on one
+    # side, and a ratio against an unmeasured side says nothing).
+    if cpu["upstream_via_direct"] > 0 and served > 0:
         rows.append(Row("guard closed: server CPU per request (guard + upstream)", served,
                         cpu["upstream_via_direct"], "ms", served / cpu["upstream_via_direct"],
                         "-", None, f"guard {cpu['guard_via_guard']:.3g} ms"))
