@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.core.hook_input import check_block_ids
+from sidecar.core.hook_input import to_block_ids
 from sidecar.core.protocol import SequenceId
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,8 @@ class LifecycleLog:
             return
         self._kept.extend(kept)
         if log.isEnabledFor(logging.INFO):
-            for ev in kept:
-                if readable(ev):
-                    log.info("block lifecycle: %s", LifecycleEvent(*ev))
+            for event in _readable(kept):
+                log.info("block lifecycle: %s", event)
 
     def trigger(self) -> None:
         """An anomaly fired: log the next ``burst`` events at full rate."""
@@ -154,7 +153,7 @@ class LifecycleLog:
         with self._lock:
             raw = {e[0]: e for e in _copy(self._kept)}
             raw.update((e[0], e) for e in _copy(self._window))
-        events = [LifecycleEvent(*e) for e in raw.values() if readable(e)]
+        events = _readable(raw.values())
         hits = sorted((e for e in events if e.names(group_id, blocks)), key=lambda e: e.n)
         return [e.as_dict() for e in hits[-limit:]]
 
@@ -163,7 +162,7 @@ class LifecycleLog:
         self._catch_up()
         with self._lock:
             kept = _copy(self._kept)[-n:]
-        return [LifecycleEvent(*e).as_dict() for e in kept if readable(e)]
+        return [e.as_dict() for e in _readable(kept)]
 
 
     def _catch_up(self) -> None:
@@ -182,15 +181,21 @@ def _copy(events: deque[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return []
 
 
-def readable(ev: tuple[Any, ...]) -> bool:
-    """Whether an event can be read back. A sampled hit's event is applied as it is, its
-    ids unchecked (checking 2 x 128 ids on the engine's thread cost more than the rest of a
-    sampled hit; the verifier checks them off it and counts a bad hit): one whose ids or
-    generations are not ids is left out of what readers see. Every other event's ids were
-    checked when the journal applied it."""
+def readable(ev: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """An event as readers get it. A sampled hit's event is applied as it is, its ids
+    unchecked (checking 2 x 128 ids on the engine's thread cost more than the rest of a
+    sampled hit; the verifier checks them off it and counts a bad hit): here its ids and
+    generations become plain ints (numpy/torch scalars, int subclasses), or it is left out
+    when they are not ids. Every other event's ids were made plain when the journal applied
+    it."""
     if ev[2] is not LifecycleOp.HIT:
-        return True
-    try:
-        return check_block_ids(ev[5]) is None and check_block_ids(ev[6], 1 << 62) is None
-    except Exception:  # an object whose own __index__ raises
-        return False
+        return ev
+    ids, why = to_block_ids(ev[5])
+    gens, why2 = to_block_ids(ev[6], 1 << 62)
+    if why is not None or why2 is not None:
+        return None
+    return (*ev[:5], ids, gens, *ev[7:])
+
+
+def _readable(events: Iterable[tuple[Any, ...]]) -> list[LifecycleEvent]:
+    return [LifecycleEvent(*r) for r in map(readable, events) if r is not None]

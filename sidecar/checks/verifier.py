@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,7 +43,7 @@ from sidecar.checks.recompute_budget import RecomputeBudget
 from sidecar.checks.structure import check_structure
 from sidecar.core.admission import Gate
 from sidecar.core.attach import Capabilities, resolve
-from sidecar.core.hit_input import check_sampled_hit
+from sidecar.core.hit_input import sanitized_hit
 from sidecar.core.protocol import (
     Adapter,
     BlockKV,
@@ -112,8 +112,7 @@ class Verifier:
                  capabilities: Capabilities | None = None,
                  reject: Callable[[str, InputReject | None], bool] | None = None) -> None:
         self.adapter = adapter
-        # Counts a sampled hit whose ids are not ids (hook_input_rejected_total; the engine's
-        # thread checked only its shape and the ids it picked): True when it is refused.
+        # Counts a hit whose ids are not ids (hook_input_rejected_total): True if refused.
         self.reject = reject or (lambda hook, why: why is not None)
         self.epoch_of = epoch_of
         # As resolved at attach (sidecar.core.attach), or here for a verifier on its own.
@@ -144,9 +143,10 @@ class Verifier:
 
     def verify(self, sample: Sample) -> Verdict:
         started = time.perf_counter()
-        verdict = Verdict(sample)
-        if self.reject("on_lookup", check_sampled_hit(sample.hit, self.info.groups)):
-            return verdict  # before anything reads the hit's ids: nothing verified
+        hit, why = sanitized_hit(sample.hit, self.info.groups)  # read once: the copy after
+        if self.reject("on_lookup", why) or hit is None:
+            return Verdict(sample)  # nothing verified
+        verdict = Verdict(sample := replace(sample, hit=hit))
         # Blocks served through an offload tier are re-read through its load path: a
         # recovery slot for the whole verification, or the sample is dropped.
         recovered = any(tier_state_at(sample.hit, r.group_id, r.index) is not None

@@ -50,7 +50,7 @@ class Dispatcher:
         self._waiting: deque[Sample] = deque()
         self._limit = queue_size
         self._worker: threading.Thread | None = None
-        self._stopping = False
+        self._generation = 0  # a worker runs while it is its generation's (stop moves it on)
         self._running = 0  # samples the worker has taken and not finished
         self._cond = threading.Condition()
         self.verified_samples = 0
@@ -113,9 +113,8 @@ class Dispatcher:
     # ------------------------------------------------------------------ worker
     def start(self) -> None:
         if self.mode == "queued" and self._worker is None:
-            self._stopping = False
-            self._worker = threading.Thread(target=self._loop, name="kvsidecar-verifier",
-                                            daemon=True)
+            self._worker = threading.Thread(target=self._loop, args=(self._generation,),
+                                            name="kvsidecar-verifier", daemon=True)
             self._worker.start()
 
     @property
@@ -123,13 +122,16 @@ class Dispatcher:
         """Whether verification can progress: the worker runs (queued) or none is needed."""
         return self.mode != "queued" or (self._worker is not None and self._worker.is_alive())
 
-    def _loop(self) -> None:
+    def _loop(self, generation: int) -> None:
+        """Verify what waits until :meth:`stop` moves the generation on: a worker that was
+        stuck past a stop's time limit then returns when its call does, even if a new
+        worker was started meanwhile (two would verify side by side)."""
         cond = self._cond
         while True:
             with cond:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and self._generation == generation:
                     cond.wait()
-                if self._stopping:
+                if self._generation != generation:
                     return
                 sample = self._waiting.popleft()
                 self._running += 1
@@ -156,7 +158,7 @@ class Dispatcher:
         with self._cond:
             left = len(self._waiting)
             self._waiting.clear()
-            self._stopping = True
+            self._generation += 1
             self._cond.notify_all()
         for _ in range(left):
             self._drop(DropReason.SHUTDOWN)

@@ -11,8 +11,11 @@ first, and a reason counted (``hook_input_rejected_total{hook, reason}``) instea
   and key, every group's list a sequence of sane length; what the engine's thread reads by
   index (the blocks the sampler picks) is checked as it is picked (:func:`picked_block_id`);
   the rest is only copied there (the lifecycle's hit event), never read;
-* :func:`check_sampled_hit`, on the verifier's thread before it reads the hit, and for hits a
-  probe captured elsewhere: the shape plus every block id and generation, O(blocks).
+* :func:`sanitized_hit`, on the verifier's thread before it reads the hit, and for hits a
+  probe captured elsewhere: the shape plus every block id, generation and tier state,
+  O(blocks); the verifier then reads its copy (plain dicts and tuples of plain ints), never
+  the engine's objects again (a map whose ``get`` raises, an ``__index__`` that answers
+  differently twice, a numpy id that would reach an evidence file as a string).
 
 Checking every id on the engine's thread cost a sampled 2k-token hit 161k instructions, 40%
 of its whole cost (issue 20: a sampled hit must not cost more than before issue 21).
@@ -20,13 +23,18 @@ of its whole cost (issue 20: a sampled hit must not cost more than before issue 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sidecar.checks.group_coverage import groups_by_id
-from sidecar.core.hook_input import MAX_BLOCK_ID, MAX_GROUP, MAX_TOKENS, check_block_ids
-from sidecar.core.protocol import CacheGroup
+from sidecar.core.hook_input import (
+    MAX_BLOCK_ID,
+    MAX_GROUP,
+    MAX_TOKENS,
+    to_block_ids,
+)
+from sidecar.core.protocol import CacheGroup, Hit, TierState
 from sidecar.signals import InputReject
 
 _MAX_GENERATION = 1 << 62
@@ -52,10 +60,10 @@ def picked_block_id(ids: Sequence[Any], i: int) -> int:
         raise BadHit(InputReject.TYPE) from None
     if type(b) is int and 0 <= b <= MAX_BLOCK_ID:
         return b
-    why = check_block_ids((b,))
+    ints, why = to_block_ids((b,))  # converted once: an __index__ may answer differently
     if why is not None:
         raise BadHit(why)
-    return operator.index(b)
+    return ints[0]
 
 
 def _seq_reason(ids: Any) -> InputReject | None:
@@ -76,23 +84,11 @@ def _is_map(m: Any) -> bool:
     return type(m) is dict or isinstance(m, Mapping)  # the ABC's isinstance costs ~2k instr
 
 
-def _ids_reason(ids: Any, hi: int) -> InputReject | None:
-    """A sequence of ids, each an integer in ``[0, hi]``. O(ids)."""
-    why = _seq_reason(ids)
-    if why is not None:
-        return why
-    for b in ids:  # the common case without a call per id
-        if type(b) is not int or not 0 <= b <= hi:
-            return check_block_ids(ids, hi) or None
-    return None
-
-
-def _group_map_reason(groups: Any, known: Mapping[int, CacheGroup] | None,
-                      ids_hi: int | None) -> InputReject | None:
-    """A map of group id -> ids (the hit's ``blocks`` or ``generations``); ``known``: the
-    engine's group ids, where it described them (a hit naming another group would be
-    refused by the adapter's capture and recompute); ``ids_hi``: check every id against it
-    (``None``: the lists' shape only)."""
+def _group_map_reason(groups: Any, known: Mapping[int, CacheGroup] | None
+                      ) -> InputReject | None:
+    """A map of group id -> ids (the hit's ``blocks`` or ``generations``), each list's shape
+    (:func:`_seq_reason`); ``known``: the engine's groups, where it described them (a hit
+    naming another group would be refused by the adapter's capture and recompute)."""
     if not _is_map(groups):
         return InputReject.TYPE
     if len(groups) > MAX_GROUP:
@@ -104,17 +100,16 @@ def _group_map_reason(groups: Any, known: Mapping[int, CacheGroup] | None,
             return InputReject.NEGATIVE if gid < 0 else InputReject.ABSURD
         if known and gid not in known:
             return InputReject.INCONSISTENT
-        why = _seq_reason(ids) if ids_hi is None else _ids_reason(ids, ids_hi)
+        why = _seq_reason(ids)
         if why is not None:
             return why
     return None
 
 
-def _check(hit: Any, groups: Sequence[CacheGroup], every_id: bool) -> InputReject | None:
+def _shape(hit: Any, groups: Sequence[CacheGroup]) -> InputReject | None:
     try:
         known = groups_by_id(groups) if groups else None
-        why = _group_map_reason(hit.blocks, known, MAX_BLOCK_ID if every_id else None) or \
-            _group_map_reason(hit.generations, None, _MAX_GENERATION if every_id else None)
+        why = _group_map_reason(hit.blocks, known) or _group_map_reason(hit.generations, None)
         if why is not None:
             return why
         kf = hit.key_fields
@@ -142,10 +137,41 @@ def check_hit_shape(hit: Any, groups: Sequence[CacheGroup] = ()) -> InputReject 
     and generations a sequence of sane length, ``key_fields`` a map keyed by strings,
     ``tier_states`` a map of sequences. O(groups); never raises: a value whose own methods
     raise is a ``type`` reason."""
-    return _check(hit, groups, every_id=False)
+    return _shape(hit, groups)
 
 
 def check_sampled_hit(hit: Any, groups: Sequence[CacheGroup] = ()) -> InputReject | None:
+    """:func:`sanitized_hit`'s reason only."""
+    return sanitized_hit(hit, groups)[1]
+
+
+def sanitized_hit(hit: Any, groups: Sequence[CacheGroup] = ()
+                  ) -> tuple[Hit | None, InputReject | None]:
     """:func:`check_hit_shape` and every block id and generation an integer in range
-    (numpy and torch integer scalars too). O(blocks): run off the engine's thread."""
-    return _check(hit, groups, every_id=True)
+    (numpy and torch integer scalars too), every tier state a :class:`TierState` or
+    ``None``; O(blocks), run off the engine's thread (the verifier). Returns a copy to read
+    instead of the engine's objects (plain dicts, tuples of plain ints: each hostile map or
+    sequence is read once, here, and never again), or ``None`` and the reason."""
+    why = _shape(hit, groups)
+    if why is not None:
+        return None, why
+    try:
+        blocks: dict[int, tuple[int, ...]] = {}
+        gens: dict[int, tuple[int, ...]] = {}
+        for src, dst, hi in ((hit.blocks, blocks, MAX_BLOCK_ID),
+                             (hit.generations, gens, _MAX_GENERATION)):
+            for gid, ids in list(src.items()):
+                dst[gid], why = to_block_ids(tuple(ids), hi)
+                if why is not None:
+                    return None, why
+        tiers: dict[int, tuple[TierState | None, ...]] = {}
+        for gid, states in list(hit.tier_states.items()):
+            tiers[gid] = tuple(states)
+            if not all(st is None or isinstance(st, TierState) for st in tiers[gid]):
+                return None, InputReject.TYPE
+        copy = replace(hit, blocks=blocks, generations=gens, tier_states=tiers,
+                       key_fields=dict(hit.key_fields.items()))
+    except Exception:  # a hostile object's own methods raised
+        return None, InputReject.TYPE
+    why = _shape(copy, groups)  # what a second read of a hostile map gave, checked again
+    return (None, why) if why is not None else (copy, None)

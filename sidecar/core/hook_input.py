@@ -101,21 +101,33 @@ def check_blocks(group_id: Any, block_ids: Any) -> InputReject | None:
         return InputReject.TYPE
 
 
-def check_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID) -> InputReject | None:
-    """Each id of an already length-checked sequence (:func:`check_blocks`): an integer
-    in ``[0, hi]`` (numpy and torch integer scalars too: the journal applies them with
-    ``int()``). O(n): run where the journal applies events, off the engine's thread."""
+def to_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID
+                 ) -> tuple[tuple[int, ...], InputReject | None]:
+    """Each id of an already length-checked sequence as a plain ``int`` in ``[0, hi]``,
+    converted once (numpy and torch integer scalars, int subclasses: ``operator.index``),
+    and ``None``; or ``()`` and the reason. Never raises for a bad id: an ``__index__`` that
+    raises (a float tensor's) is a ``type`` reason. O(n): run off the engine's thread."""
+    out: list[int] = []
     for b in block_ids:
         if type(b) is not int:
             if isinstance(b, bool) or not hasattr(type(b), "__index__"):
-                return InputReject.NAN if isinstance(b, float) and math.isnan(b) \
-                    else InputReject.TYPE
-            b = operator.index(b)
+                return (), (InputReject.NAN if isinstance(b, float) and math.isnan(b)
+                            else InputReject.TYPE)
+            try:
+                b = operator.index(b)  # an exact int since Python 3.10
+            except Exception:
+                return (), InputReject.TYPE
         if b < 0:
-            return InputReject.NEGATIVE
+            return (), InputReject.NEGATIVE
         if b > hi:
-            return InputReject.ABSURD
-    return None
+            return (), InputReject.ABSURD
+        out.append(b)
+    return tuple(out), None
+
+
+def check_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID) -> InputReject | None:
+    """:func:`to_block_ids`'s reason only."""
+    return to_block_ids(block_ids, hi)[1]
 
 
 def check_latency(seconds: Any) -> InputReject | None:

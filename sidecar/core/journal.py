@@ -31,9 +31,9 @@ from sidecar.core.hook_input import (
     MAX_BLOCK_ID,
     MAX_GROUP,
     MAX_TOKENS,
-    check_block_ids,
     check_blocks,
     check_store,
+    to_block_ids,
 )
 from sidecar.core.journal_hooks import AS_IS_LIFECYCLE_EVENT as _AS_IS
 from sidecar.core.journal_hooks import FREE_EVENT as _FREE
@@ -53,7 +53,8 @@ _MAX_GENERATION = 1 << 62  # as sidecar.core.hook_input.check_store
 
 def _plain_ids(ids: tuple[Any, ...], hi: int) -> bool:
     """Every id a plain ``int`` in ``[0, hi]``: the common case, checked without a call per
-    id (anything else goes to :func:`~sidecar.core.hook_input.check_block_ids` for its reason)."""
+    id (anything else goes to :func:`~sidecar.core.hook_input.to_block_ids`: plain ints, or
+    the reason)."""
     for b in ids:  # noqa: SIM110 (a loop: all() over a generator costs 3x per id)
         if type(b) is not int or not 0 <= b <= hi:
             return False
@@ -168,21 +169,24 @@ class CacheEventJournal:
                             g, ids = ev[1], ev[2]
                             if not (type(g) is int and 0 <= g <= MAX_GROUP
                                     and len(ids) <= MAX_TOKENS
-                                    and _plain_ids(ids, MAX_BLOCK_ID)) \
-                                    and reject("on_free", check_blocks(g, ids)
-                                               or check_block_ids(ids)):
-                                continue
+                                    and _plain_ids(ids, MAX_BLOCK_ID)):
+                                why = check_blocks(g, ids)
+                                if why is None:  # numpy/torch scalars become plain ints
+                                    ids, why = to_block_ids(ids)
+                                if reject("on_free", why):
+                                    continue
                             forget(g, ids)
                             number += 1
                             add((number, ev[3], _OP_EVICT, g, None, ids, (), None))
                         else:
                             _, op, group, seq, ids, gens, length, at = ev
                             if kind != _AS_IS and not (_plain_ids(ids, MAX_BLOCK_ID)
-                                    and _plain_ids(gens, _MAX_GENERATION)) \
-                                    and reject(_LIFECYCLE_HOOK.get(op, "on_release"),
-                                               check_block_ids(ids)
-                                               or check_block_ids(gens, _MAX_GENERATION)):
-                                continue
+                                    and _plain_ids(gens, _MAX_GENERATION)):
+                                ids, why = to_block_ids(ids)
+                                if why is None:
+                                    gens, why = to_block_ids(gens, _MAX_GENERATION)
+                                if reject(_LIFECYCLE_HOOK.get(op, "on_release"), why):
+                                    continue
                             number += 1
                             add((number, at, op, group, seq, ids, gens, length))
                     except Exception:  # a malformed event: dropped, the rest still applied
