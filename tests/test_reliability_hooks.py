@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import urllib.error
@@ -19,7 +18,7 @@ from sidecar import signals as S
 from sidecar.core.health import monitor_health
 from sidecar.core.hook_input import check_lookup
 from sidecar.core.protocol import BlockKV, BlockRef, Hit, Lookup
-from sidecar.core.time_limits import AdapterExit, AdapterRefused, AdapterTimeout, Guard
+from sidecar.core.time_limits import AdapterRefused, AdapterTimeout, Guard
 from sidecar.evidence.record import EvidenceLog
 from sidecar.export.server import SidecarServer
 from tests.conftest import make_toy
@@ -158,29 +157,6 @@ def test_hung_allocator_does_not_get_reads_refused() -> None:
             g.call("allocator", release.wait, 30)
     assert g.call("read", lambda: "ok") == "ok"
     release.set()
-
-
-def test_guarded_calls_reuse_their_thread_and_a_stuck_one_is_not_reused() -> None:
-    """Calls of one operation run on one kept thread (not a thread started per call); a
-    stuck call's thread is not handed the next call, and is reused once it returns."""
-    g = Guard(0.05, max_stuck=2)
-    first = g.call("read", threading.get_ident)
-    assert g.call("read", threading.get_ident) == first != threading.get_ident()
-    release = threading.Event()
-    with pytest.raises(AdapterTimeout):
-        g.call("read", release.wait, 30)
-    assert g.stuck_in("read") == 1
-    assert g.call("read", threading.get_ident) != first  # a new thread: the first is stuck
-    release.set()
-    deadline = time.monotonic() + 10
-    while g.stuck_in("read") and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert g.stuck_in("read") == 0
-    seen = {g.call("read", threading.get_ident) for _ in range(20)}
-    assert len(seen) <= 2  # the two threads this op ever needed, nothing new per call
-    with pytest.raises(AdapterExit):
-        g.call("read", sys.exit, 3)  # a SystemExit inside: wrapped, the thread lives on
-    assert g.call("read", lambda: "ok") == "ok"
 
 
 def test_unasked_blocks_ignored_missing_blocks_dropped_samples_counted() -> None:
