@@ -38,6 +38,11 @@ def _verify(stack: Stack) -> list:
     return stack.sidecar.verify_pending()
 
 
+def _dropped(stack: Stack) -> int:
+    """Sampled hits the sidecar counted as dropped, whatever the reason."""
+    return int(stack.sidecar.metrics.value_sum(S.SAMPLES_DROPPED.name))
+
+
 def test_clean_traffic_is_quiet(stack: Stack) -> None:
     srv, sc = stack.server, stack.sidecar
     w = Workload(seed=1, lengths=(40, 70, 100, 130, 180))
@@ -49,9 +54,21 @@ def test_clean_traffic_is_quiet(stack: Stack) -> None:
             verdicts += _verify(stack)
     hits = (CLEAN_ROUNDS - 1) * len(w.prefixes)  # every request after the first round
     deadline = time.monotonic() + 120
-    while len(verdicts) < hits and time.monotonic() < deadline:
+    while len(verdicts) + _dropped(stack) < hits and time.monotonic() < deadline:
         verdicts += _verify(stack)
-    assert len(verdicts) == hits
+    # Every sampled hit is verified or counted as dropped (under load the tap's pipe drops
+    # captures its queue cannot hold: a fresh clone beside two CPU hogs dropped 6 of 185);
+    # then clean traffic goes on, at most 8 more rounds, until 1,000 blocks were verified.
+    dropped = _dropped(stack)
+    MEASUREMENTS[f"{stack.dtype} clean sampled hits dropped"] = dropped
+    assert len(verdicts) + dropped == hits and dropped <= hits // 10
+    assert stack.sidecar.metrics.value_sum(S.HOOK_INPUT_REJECTED.name) == 0
+    for _ in range(8 if CLEAN_ROUNDS >= 38 else 0):
+        if sum(len(v.verified) for v in verdicts) >= 1000:
+            break
+        for tokens in w.round():
+            srv.generate(tokens)
+        verdicts += _verify(stack)
     verified = sum(len(v.verified) for v in verdicts)
     findings = [(f.kind.value, f.detail) for v in verdicts for f in v.findings]
     errors = [e for v in verdicts for _, e in v.errors]
