@@ -1,7 +1,7 @@
 """The verifier: runs the checks on one sampled hit, cheapest first, and returns a Verdict.
 
 Order (each stage only spends what the previous ones could not decide):
-  0. the hit's ids (:func:`sidecar.core.hit_input.check_sampled_hit`): a bad one is counted;
+  0. the hit's ids (:func:`sidecar.core.hit_input.sanitized_hit`): a bad one is counted;
   1. identity (:mod:`sidecar.checks.identity`): key consistency, coverage per cache group;
   2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
      legitimately reused before we got to them: dropped, not flagged;

@@ -32,6 +32,7 @@ from sidecar.core.hook_input import (
     MAX_BLOCK_ID,
     MAX_GROUP,
     MAX_TOKENS,
+    PLAIN_SEQS,
     to_block_ids,
 )
 from sidecar.core.protocol import CacheGroup, Hit, TierState
@@ -39,7 +40,6 @@ from sidecar.signals import InputReject
 
 _MAX_GENERATION = 1 << 62
 _TEXT = (str, bytes, bytearray)
-_PLAIN = (list, tuple, range)
 
 
 class BadHit(Exception):
@@ -69,7 +69,7 @@ def picked_block_id(ids: Sequence[Any], i: int) -> int:
 def _seq_reason(ids: Any) -> InputReject | None:
     """A sequence of sane length, not text; a stranger (not list/tuple/range) indexed at
     both ends, as the sampler will (a sequence that lies raises here, not later). O(1)."""
-    if type(ids) in _PLAIN:  # the common case, without the ABC's isinstance
+    if type(ids) in PLAIN_SEQS:  # the common case, without the ABC's isinstance
         return InputReject.ABSURD if len(ids) > MAX_TOKENS else None
     if not isinstance(ids, Sequence) or isinstance(ids, _TEXT):
         return InputReject.TYPE
@@ -122,7 +122,7 @@ def _shape(hit: Any, groups: Sequence[CacheGroup]) -> InputReject | None:
         if not _is_map(ts) or len(ts) > MAX_GROUP:
             return InputReject.TYPE
         for gid, states in ts.items():
-            if type(gid) is not int or (type(states) not in _PLAIN and (
+            if type(gid) is not int or (type(states) not in PLAIN_SEQS and (
                     not isinstance(states, Sequence) or isinstance(states, _TEXT))):
                 return InputReject.TYPE
     except Exception:  # a hostile object's own __len__/__iter__/items raised

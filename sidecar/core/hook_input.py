@@ -27,7 +27,8 @@ MAX_GROUP = 1 << 10
 MAX_BLOCK_ID = 1 << 40
 MAX_BLOCK_TOKENS = 1 << 16  # tokens of one block
 MAX_LATENCY_S = 86_400.0  # a request that took a day is a clock bug
-_PLAIN = (list, tuple, range)
+# The sequences taken without the ABC's isinstance (~2k instructions each): exact types only.
+PLAIN_SEQS = (list, tuple, range)
 
 
 def _int_reason(v: Any, hi: int) -> InputReject | None:
@@ -60,7 +61,7 @@ def check_lookup(lookup: Any) -> InputReject | None:
         # Exact types first: the ABCs' isinstance costs ~2k instructions each.
         if not isinstance(hit, Hit) or not (
                 type(hit.blocks) is dict or isinstance(hit.blocks, Mapping)) or not (
-                type(hit.tokens) in _PLAIN or isinstance(hit.tokens, Sequence)) or not (
+                type(hit.tokens) in PLAIN_SEQS or isinstance(hit.tokens, Sequence)) or not (
                 type(hit.generations) is dict or isinstance(hit.generations, Mapping)):
             return InputReject.TYPE
         why = _int_reason(hit.hit_tokens, MAX_TOKENS)
@@ -123,11 +124,6 @@ def to_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID
             return (), InputReject.ABSURD
         out.append(b)
     return tuple(out), None
-
-
-def check_block_ids(block_ids: Sequence[Any], hi: int = MAX_BLOCK_ID) -> InputReject | None:
-    """:func:`to_block_ids`'s reason only."""
-    return to_block_ids(block_ids, hi)[1]
 
 
 def check_latency(seconds: Any) -> InputReject | None:

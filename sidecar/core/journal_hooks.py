@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 from sidecar.allocator import LifecycleOp
 from sidecar.core import hook_input as HI
+from sidecar.core.hook_input import PLAIN_SEQS
 from sidecar.core.protocol import SequenceId, StoredBlock
 
-_TOKEN_SEQS = (list, tuple, range)  # sequences the O(1) door lets through unexamined
 _OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE, LifecycleOp.FREE
 _MAX_TOKENS, _MAX_GROUP, _MAX_BLOCK_TOKENS = HI.MAX_TOKENS, HI.MAX_GROUP, HI.MAX_BLOCK_TOKENS
 _now = time.time
@@ -97,7 +97,7 @@ class JournaledHooks:
     def on_store(self, block: StoredBlock) -> None:
         try:
             # Checked in O(1) here and fully where the journal applies it (sidecar.core.journal).
-            if (type(block) is not StoredBlock or type(block.tokens) not in _TOKEN_SEQS
+            if (type(block) is not StoredBlock or type(block.tokens) not in PLAIN_SEQS
                     or len(block.tokens) > _MAX_BLOCK_TOKENS) \
                     and self._reject("on_store", HI.check_store(block)):
                 return
@@ -116,7 +116,7 @@ class JournaledHooks:
 
     def on_free(self, group_id: int, block_ids: Sequence[int]) -> None:
         try:
-            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
+            if (type(group_id) is not int or type(block_ids) not in PLAIN_SEQS
                     or len(block_ids) > _MAX_TOKENS) \
                     and self._reject("on_free", HI.check_blocks(group_id, block_ids)):
                 return
@@ -139,8 +139,8 @@ class JournaledHooks:
         """Optional lifecycle event (:class:`sidecar.core.protocol.BlockLifecycleSink`)."""
         try:
             # O(1) inline check; the full one (sidecar.core.hook_input) only for strangers.
-            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
-                    or type(generations) not in _TOKEN_SEQS or len(block_ids) > _MAX_TOKENS
+            if (type(group_id) is not int or type(block_ids) not in PLAIN_SEQS
+                    or type(generations) not in PLAIN_SEQS or len(block_ids) > _MAX_TOKENS
                     or len(generations) > _MAX_TOKENS or not 0 <= group_id <= _MAX_GROUP) \
                     and self._reject("on_allocate", HI.check_blocks(group_id, block_ids)
                                      or HI.check_blocks(group_id, generations)):
@@ -162,7 +162,7 @@ class JournaledHooks:
         """Optional lifecycle event: a sequence freed its blocks; nudges an invariant
         check, since a release is where premature and double frees happen."""
         try:
-            if (type(group_id) is not int or type(block_ids) not in _TOKEN_SEQS
+            if (type(group_id) is not int or type(block_ids) not in PLAIN_SEQS
                     or len(block_ids) > _MAX_TOKENS or not 0 <= group_id <= _MAX_GROUP) \
                     and self._reject("on_release", HI.check_blocks(group_id, block_ids)):
                 return
