@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sidecar.adapters.sglang.census import Census, check_census
-from sidecar.adapters.sglang.tap import SglangTap, key_fields
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, key_fields
 from sidecar.signals import InvariantKind as K
 
 BS = 4
@@ -68,7 +68,7 @@ def test_tap_messages_reach_the_monitor(sockdir: Path) -> None:
     try:
         pool = FakePool(64)
         tap = SglangTap(endpoint, BS, sample_every=2, blocks_per_sample=2, census_every_s=0)
-        tap.attach(pool, 64, "0.5.23", "tiny")
+        tap.attach([PoolGroup.full(pool)], 64, "0.5.23", "tiny")
         tokens = list(range(10, 22))  # 3 blocks
         path = torch.arange(30, 42)
         tap.allocated(path)
@@ -138,7 +138,7 @@ def test_the_last_release_ships_the_batched_lookups(sockdir: Path) -> None:
                        groups=[0]).start()
     try:
         tap = SglangTap(endpoint, BS, sample_every=10**9, census_every_s=3600)
-        tap.attach(FakePool(64), 64, "0.5.23", "tiny")
+        tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
         path = torch.arange(30, 42)
         for rid in ("a", "b", "c"):
             tap.admitted(rid, list(range(12)), 8, path[:8], key_fields(None, None))

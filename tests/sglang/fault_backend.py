@@ -16,6 +16,21 @@ SGLang's real structures:
 * ``stale``: copy the K/V of another cached prefix's slots over this prefix's (stale reuse);
 * ``drop_extra_key``: match and insert without the request's ``extra_key`` (the namespace
   dropped from the key), until turned off.
+
+On a hybrid SWA server (two pools; a full slot reaches its SWA slot through SGLang's
+``full_to_swa_index_mapping``), three more edit the sliding-window layers' pool only:
+
+* ``zero_swa``: zero the SWA K/V of a prefix's slots;
+* ``stale_swa``: copy another cached prefix's SWA K/V over this prefix's;
+* ``swa_reuse``: a freed SWA slot served: the prefix's SWA slots go back to the SWA
+  allocator while the mapping still names them (a tombstone that forgot the mapping), and
+  are handed out again at once to an owner that writes another prefix's SWA K/V there;
+* ``swa_diverged`` (a query, not a fault): how many full slots have an SWA peer with
+  another id;
+* ``tombstone_swa``: a tombstoned SWA slot served: the prefix's full slots lose their SWA
+  peers (the mapping cleared, as SGLang's tombstone does) while the tree still serves the
+  prefix whole. The SWA slots themselves stay allocated: freeing them too (SGLang's whole
+  ``free_swa``) is caught by SGLang's own idle leak check, which exits the server.
 """
 
 from __future__ import annotations
@@ -75,8 +90,14 @@ class Faults:
         if op == "drop_extra_key":
             self.drop_extra_key = bool(cmd["on"])
             return {"ok": True}
+        if op == "swa_diverged":  # not a fault: full slots whose SWA peer has another id
+            mapping = tree.token_to_kv_pool_allocator.full_to_swa_index_mapping[:-1]
+            ids = torch.arange(len(mapping), device=mapping.device)
+            return {"ok": True, "diverged": int(((mapping != 0) & (mapping != ids)).sum())}
         slots = self._slots(tree, cmd["tokens"])
         pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        if "swa" in op:
+            return self.apply_swa(tree, op, slots, cmd)
         if op == "zero":
             for buf in (*pool.k_buffer, *pool.v_buffer):
                 buf[slots] = 0
@@ -101,6 +122,47 @@ class Faults:
         else:
             raise ValueError(f"unknown fault {op!r}")
         return {"ok": True, "slots": [int(s) for s in slots.tolist()]}
+
+
+    def apply_swa(self, tree: Any, op: str, slots: torch.Tensor,
+                  cmd: dict[str, Any]) -> dict[str, Any]:
+        top = tree.token_to_kv_pool_allocator
+        mapping = top.full_to_swa_index_mapping
+        swa_pool = top.get_kvcache().swa_kv_pool
+        bufs = (*swa_pool.k_buffer, *swa_pool.v_buffer)
+        swa = mapping[slots].to(torch.int64)
+        swa = swa[swa > 0]  # slots whose SWA K/V SGLang still keeps
+        if op == "tombstone_swa":
+            top.clear_full_to_swa_mapping(slots)
+            return {"ok": True, "slots": [int(s) for s in swa.tolist()]}
+        if op == "zero_swa":
+            for buf in bufs:
+                buf[swa] = 0
+            return {"ok": True, "slots": [int(s) for s in swa.tolist()]}
+        src = mapping[self._slots(tree, cmd["source"])].to(torch.int64)
+        src = src[src > 0][:len(swa)]
+        swa = swa[:len(src)]
+        if op == "stale_swa":
+            for buf in bufs:
+                buf[swa] = buf[src]
+            return {"ok": True, "slots": [int(s) for s in swa.tolist()]}
+        if op != "swa_reuse":
+            raise ValueError(f"unknown fault {op!r}")
+        alloc = top.swa_attn_allocator
+        kept = alloc.free_pages.clone(), alloc.release_pages.clone()
+        alloc.free(swa)  # back to the SWA allocator; the mapping still names them
+        rest = torch.cat([alloc.free_pages, alloc.release_pages])
+        rest = rest[~torch.isin(rest, swa)]
+        alloc.free_pages = torch.cat([swa, rest])
+        alloc.release_pages = alloc.release_pages[:0]
+        taken = alloc.alloc(len(swa))  # the new owner, writing another prefix's K/V
+        for buf in bufs:
+            buf[taken] = buf[src]
+        # The same slots are handed out again: put the free lists back as they were, so
+        # the SWA allocator keeps handing out the ids the full one does (on this CPU,
+        # SGLang's attention reads sliding layers at full ids: see test_swa.py).
+        alloc.free_pages, alloc.release_pages = kept
+        return {"ok": True, "slots": [int(s) for s in taken.tolist()]}
 
 
 def faulty_tree(ctx: Any) -> Any:

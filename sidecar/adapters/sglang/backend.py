@@ -5,7 +5,8 @@ SGLang's public hook for a tree is ``register_radix_cache_backend(name, factory)
 :func:`register` in every SGLang process, so ``pip install kv-sidecar`` beside SGLang is the
 whole install. The factory builds exactly what SGLang's default selection chain builds
 (:func:`default_radix_cache_factory`: ``UnifiedRadixCache`` on its Rust core here) and
-wraps the hook methods of that one tree instance and its token-to-KV allocator: each
+wraps the hook methods of that one tree instance and its allocator of full-pool slots (on a
+hybrid SWA server, the full sub-allocator: :func:`slot_allocator`): each
 wrapper calls SGLang's method and then tells :class:`.tap.SglangTap`. Wrapping on the
 instance (not a proxy object, not a subclass) keeps every ``isinstance(cache,
 UnifiedRadixCache)`` check in SGLang true and leaves each method's behaviour unchanged; no
@@ -25,6 +26,11 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
   between tree operations), a checkpoint or a release: the pool census (frees SGLang is
   still holding in a free group count as free, and as no longer handed out).
 
+A hybrid SWA server (sliding-window and full layers in two pools) is tapped in both: the
+tap's cache groups (:func:`pool_groups`) read the sliding layers' K/V through SGLang's
+full-to-SWA slot mapping. Pure-SWA servers, per-request SWA rings, Mamba trees and HiCache
+are refused with a line naming them.
+
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 ``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
 (100), ``blocks_per_sample`` (2), ``seed`` (0), ``census_every_s`` (1.0), ``pipe_hwm`` (256).
@@ -40,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar.adapters.peer_settings import Setting, check_settings, parse_settings
 
 if TYPE_CHECKING:  # the tap loads torch: imported where a tree is built, not by `--help`
-    from sidecar.adapters.sglang.tap import SglangTap
+    from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 
 log = logging.getLogger(__name__)
 
@@ -82,32 +88,85 @@ def check_sglang_version(found: str) -> None:
 def make_tap(ctx: Any) -> SglangTap:
     import sglang
 
-    from sidecar.adapters.sglang.tap import SglangTap
+    from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 
     check_sglang_version(sglang.__version__)
     cfg = tap_config()
     params = ctx.params
     if int(params.page_size) != 1:
         raise ValueError("kv-sidecar's SGLang backend is tested with --page-size 1 only")
-    pool = params.token_to_kv_pool_allocator.get_kvcache()
-    if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or not hasattr(pool, "k_buffer"):
-        raise ValueError(f"kv-sidecar's SGLang backend reads the NHD MHA pool, got "
-                         f"{type(pool).__name__} ({getattr(pool, 'kv_cache_layout', '?')})")
+    allocator = params.token_to_kv_pool_allocator
+    if ctx.is_hybrid_swa and ctx.full_tokens_per_layer == 0:
+        raise ValueError("kv-sidecar's SGLang backend: a pure-SWA server (no full-attention "
+                         "layer) is not tapped")
+    groups = pool_groups(allocator, params.sliding_window_size) if ctx.is_hybrid_swa \
+        else [PoolGroup.full(_mha(allocator.get_kvcache()))]
     tap = SglangTap(cfg["endpoint"], cfg["block_size"], cfg["sample_every"],
                     cfg["blocks_per_sample"], cfg["seed"], cfg["census_every_s"],
                     cfg["pipe_hwm"])
-    tap.attach(pool, int(params.token_to_kv_pool_allocator.size), sglang.__version__,
+    tap.attach(groups, int(slot_allocator(allocator).size), sglang.__version__,
                str(getattr(ctx.model_config, "model_path", "")))
     return tap
+
+
+def slot_allocator(allocator: Any) -> Any:
+    """The allocator of full-pool slots: SGLang's own on a full-attention server; on a
+    hybrid SWA server its full sub-allocator, which every allocation and free of a full
+    slot reaches (the hybrid's ``alloc_extend``/``free_full`` call it directly)."""
+    return getattr(allocator, "full_attn_allocator", None) or allocator
+
+
+def _mha(pool: Any) -> Any:
+    """``pool`` if it is the NHD MHA pool the tap reads (per-layer ``k_buffer``)."""
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or not hasattr(pool, "k_buffer"):
+        raise ValueError(f"kv-sidecar's SGLang backend reads the NHD MHA pool, got "
+                         f"{type(pool).__name__} ({getattr(pool, 'kv_cache_layout', '?')})")
+    return pool
+
+
+def pool_groups(allocator: Any, window: int | None) -> list[PoolGroup]:
+    """A hybrid SWA server's two groups: the full layers in the full pool, the sliding
+    layers in the SWA pool, which a full slot reaches through SGLang's
+    ``full_to_swa_index_mapping`` (0 once SGLang tombstoned the slot's SWA K/V). Group ids
+    in order of each kind's first layer, as the sidecar numbers a checkpoint's groups.
+    ``window``: SGLang's sliding window (it attends to ``window`` tokens before the query:
+    the checkpoint's ``sliding_window`` less one)."""
+    from sidecar.adapters.sglang.tap import PoolGroup
+    from sidecar.core.protocol import CacheGroup, GroupKind
+
+    if getattr(allocator, "_swa_req_ring", False):
+        raise ValueError("kv-sidecar's SGLang backend reads paged SWA slots; this server "
+                         "keeps SWA K/V in a per-request ring")
+    if not window:
+        raise ValueError("kv-sidecar's SGLang backend: a hybrid SWA server without a "
+                         "sliding window size")
+    kv = allocator.get_kvcache()
+    full, swa = _mha(kv.full_kv_pool), _mha(kv.swa_kv_pool)
+    full_layers, swa_layers = tuple(full.model_layer_ids), tuple(swa.model_layer_ids)
+    mapping = allocator.full_to_swa_index_mapping
+
+    def to_swa(slots: Any) -> Any:
+        return mapping[slots.to(mapping.device)]
+
+    full_id, swa_id = (1, 0) if min(swa_layers) < min(full_layers) else (0, 1)
+    nulls = frozenset({0})
+    return [
+        PoolGroup(CacheGroup(full_id, GroupKind.FULL_ATTENTION, full_layers, name="full",
+                             null_block_ids=nulls), full),
+        PoolGroup(CacheGroup(swa_id, GroupKind.SLIDING_WINDOW, swa_layers,
+                             sliding_window=int(window) + 1, name="sliding",
+                             null_block_ids=nulls), swa, to_swa),
+    ]
 
 
 def tapped_tree(ctx: Any) -> Any:
     """The factory: SGLang's default tree for ``ctx``, tapped."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
-        raise ValueError("kv-sidecar's SGLang backend taps full-attention trees without "
-                         "HiCache only (SWA, Mamba and host tiers are not verified yet)")
+    if ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError("kv-sidecar's SGLang backend taps full-attention and sliding-window "
+                         "trees without HiCache only (Mamba and host tiers are not verified "
+                         "yet)")
     tap = make_tap(ctx)
     tree = default_radix_cache_factory(ctx)
     return attach(tree, tap)
@@ -120,7 +179,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     through the wrappers too; the class, and every ``isinstance`` check, stay SGLang's."""
     from sidecar.adapters.sglang.tap import key_fields
 
-    allocator = tree.token_to_kv_pool_allocator
+    allocator = slot_allocator(tree.token_to_kv_pool_allocator)
     alloc, free = allocator.alloc, allocator.free
     # Each hook adds the time its own work took (SGLang's wrapped call excluded) to
     # tap.busy_ns: the tap's cost on SGLang's thread, exported beside SGLang's CPU.
@@ -215,7 +274,7 @@ def _census(tree: Any, tap: SglangTap) -> None:
     if not tap.census_due():
         return
     try:
-        allocator = tree.token_to_kv_pool_allocator
+        allocator = slot_allocator(tree.token_to_kv_pool_allocator)
         free = allocator.get_all_free_pages()
         pending = getattr(allocator, "free_group", None)
         held_back = None

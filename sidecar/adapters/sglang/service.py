@@ -70,11 +70,22 @@ class SglangSidecarConfig:
 
 
 def engine_info(model_dir: str, dtype: str, block_size: int) -> EngineInfo:
+    """What SGLang serving ``model_dir`` caches: one full-attention group, or for a hybrid
+    SWA checkpoint (sliding-window and full-attention layers) the two groups the tap reads
+    from SGLang's two pools, numbered in order of each kind's first layer; SGLang's padding
+    slot 0 is every group's null block. Other layer kinds (recurrent state) are refused."""
     base = engine_info_from_checkpoint(model_dir, dtype, block_size)
-    layers = tuple(sorted({i for g in base.groups for i in g.layers}))
-    return dataclasses.replace(
-        base, engine="sglang", key_fields=SGLANG_KEY_FIELDS,
-        groups=(CacheGroup(0, GroupKind.FULL_ATTENTION, layers, name="full"),))
+    kinds = {g.kind for g in base.groups}
+    if kinds == {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW}:
+        groups = base.groups
+    elif kinds - {GroupKind.FULL_ATTENTION}:
+        raise ValueError(f"{model_dir}: kv-sidecar's SGLang adapter verifies full-attention "
+                         f"and sliding-window models, not {sorted(k.value for k in kinds)}")
+    else:
+        layers = tuple(sorted({i for g in base.groups for i in g.layers}))
+        groups = (CacheGroup(0, GroupKind.FULL_ATTENTION, layers, name="full"),)
+    return dataclasses.replace(base, engine="sglang", key_fields=SGLANG_KEY_FIELDS,
+                               groups=groups)
 
 
 class SglangAdapter:
@@ -118,6 +129,10 @@ class SglangSidecar:
         self.cfg = cfg
         self.info = engine_info(cfg.model_dir, cfg.dtype, cfg.block_size)
         self.adapter = SglangAdapter(self.info, None)
+        # The tap's stores and frees name full-pool slots (the tree's own values); the
+        # sliding group's SWA slots are named only by the hits that serve them.
+        self.full_group = next(g.group_id for g in self.info.groups
+                               if g.kind is GroupKind.FULL_ATTENTION)
         sidecar_cfg = dataclasses.replace(
             cfg.sidecar, allocator_every_s=cfg.allocator_every_s,
             dispatch="deferred" if cfg.deferred else cfg.sidecar.dispatch)
@@ -142,7 +157,7 @@ class SglangSidecar:
             raise ValueError(f"unknown reference {cfg.reference!r}: use hf or none")
         self.receiver = ProbeReceiver(
             cfg.probe_endpoint, self.metrics, self._on_lookups, self._on_capture,
-            self._on_hello, groups=[0],
+            self._on_hello, groups=[g.group_id for g in self.info.groups],
             handlers={"stores": self._on_stores, "frees": self._on_frees,
                       "census": self._on_census, "alloc_failed": self._on_alloc_failed,
                       "tap_stats": self._on_tap_stats})
@@ -179,7 +194,8 @@ class SglangSidecar:
             if not isinstance(fields, dict):
                 raise WireError("store key fields are not a map")
             self.monitor.on_store(StoredBlock(
-                0, block_id, 0, tuple(tokens) if isinstance(tokens, list) else tokens, lo,
+                self.full_group, block_id, 0,
+                tuple(tokens) if isinstance(tokens, list) else tokens, lo,
                 {str(k): str(v) for k, v in list(fields.items())[:16]},
                 prefix_digest=digest))
 
@@ -188,7 +204,7 @@ class SglangSidecar:
         if not isinstance(ids, list):
             raise WireError("frees is not a list")
         self.freed_blocks += len(ids)
-        self.monitor.on_free(0, ids)
+        self.monitor.on_free(self.full_group, ids)
 
     def _on_alloc_failed(self, msg: dict[str, Any]) -> None:
         n = msg.get("n")

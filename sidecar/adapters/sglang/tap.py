@@ -7,13 +7,17 @@ logged and counted (the count rides on the next ``tap_stats`` message), never ra
 SGLang. What it sends, in the order things happened (one PUSH socket keeps that order, so a
 store always reaches the sidecar before a hit that names it):
 
-* ``hello``: block size, dtype, KV heads, head dim, layers, SGLang version;
+* ``hello``: block size, dtype, KV heads, head dim, the cache groups (each pool's layers and
+  kind), SGLang version;
 * ``stores``: ``[[block_id, prefix_tokens, tokens, prefix_digest, key_fields], ...]`` for the
   full blocks an insert added to the tree;
 * ``frees``: block ids whose last slot went back to the allocator (evicted, or freed);
 * ``lookups`` / ``capture``: one lookup per admitted request (what SGLang itself counts as
   the request's cached tokens), and for 1 in ``sample_every`` hits the K/V of the chosen
-  blocks, copied while the request still holds them;
+  blocks, copied while the request still holds them. On a hybrid SWA server (full and
+  sliding-window layers in two pools) the hit names each block twice: in the full group by
+  its full-pool slot, in the sliding group by the SWA-pool slot SGLang maps it to (null,
+  0, where SGLang tombstoned any of the block's SWA slots);
 * ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
   tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
   invariant checks;
@@ -35,7 +39,8 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,13 +49,34 @@ import torch
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.wire import capture_fields
 from sidecar.checks.keys import token_digest
-from sidecar.core.protocol import Hit
+from sidecar.core.protocol import CacheGroup, GroupKind, Hit
 from sidecar.core.sampling import UniformSampler
 
 log = logging.getLogger(__name__)
 
 _MAX_TRACKED = 10_000  # requests admitted and not yet released (bounded memory)
 OUTBOX_ITEMS = 64  # stores, frees and lookups held back at most before they are sent
+
+
+NULL_SLOT = 0  # SGLang's padding slot; an SWA mapping of 0 means "no SWA slot" (tombstoned)
+
+
+@dataclass(frozen=True)
+class PoolGroup:
+    """One cache group as the tap reads it: the SGLang pool holding its layers' K/V
+    (``k_buffer``/``v_buffer`` per layer, ``(slots, kv_heads, head_dim)``) and, for the
+    sliding-window pool of a hybrid SWA server, how a full-pool slot maps to its slot there
+    (``translate``; ``None``: the full pool itself)."""
+
+    group: CacheGroup
+    pool: Any
+    translate: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @staticmethod
+    def full(pool: Any) -> PoolGroup:
+        """A full-attention server's one group: every layer, in ``pool``."""
+        return PoolGroup(CacheGroup(0, GroupKind.FULL_ATTENTION, tuple(range(len(
+            pool.k_buffer))), name="full", null_block_ids=frozenset({NULL_SLOT})), pool)
 
 
 def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
@@ -65,6 +91,14 @@ def bitmap(slots: torch.Tensor | np.ndarray, size: int) -> bytes:
     if ids.size:
         bits[ids] = True
     return bytes(np.packbits(bits).tobytes())
+
+
+def _block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
+    """Each full block of ``slots`` named by its last slot; the null slot where any of its
+    slots is null (an SWA block SGLang tombstoned, whole or in part)."""
+    blocks = slots.reshape(-1, block_size)
+    present = (blocks != NULL_SLOT).all(dim=1)
+    return [int(b) for b in torch.where(present, blocks[:, -1], NULL_SLOT).tolist()]
 
 
 def _ids(slots: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -94,23 +128,29 @@ class SglangTap:
         self._outbox: list[tuple[str, list[Any]]] = []
         self._waiting = 0  # items in the outbox
         self._next_census = 0.0
-        self.pool: Any = None
+        self.groups: tuple[PoolGroup, ...] = ()
+        self.cache_groups: tuple[CacheGroup, ...] = ()
         self.size = 0
         self._is_block = np.zeros(0, dtype=bool)  # slot -> names a stored block
         self._allocated = np.zeros(0, dtype=bool)  # slot -> handed out, not freed
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, pool: Any, size: int, engine_version: str, model: str) -> None:
-        self.pool = pool
+    def attach(self, groups: Sequence[PoolGroup], size: int, engine_version: str,
+               model: str) -> None:
+        """``groups``: the server's cache groups (group ids in order of each kind's first
+        layer, as the sidecar numbers them); ``size``: the full pool's slots."""
+        self.groups = tuple(sorted(groups, key=lambda g: g.group.group_id))
+        self.cache_groups = tuple(g.group for g in self.groups)
         self.size = int(size) + 1  # SGLang's slot 0 is a padding slot; ids are 1..size
         self._is_block = np.zeros(self.size, dtype=bool)
         self._allocated = np.zeros(self.size, dtype=bool)
-        k0 = pool.k_buffer[0]
+        k0 = self.groups[0].pool.k_buffer[0]
         self.pipe.send_message(
             "hello", sglang=engine_version, model=model,
             dtype=str(k0.dtype).removeprefix("torch."), block_size=self.block_size,
             kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
-            groups={0: list(range(len(pool.k_buffer)))}, group_kinds={0: "full_attention"},
+            groups={g.group_id: list(g.layers) for g in self.cache_groups},
+            group_kinds={g.group_id: g.kind.value for g in self.cache_groups},
             slots=int(size))
 
     def _failed(self, what: str) -> None:
@@ -157,22 +197,35 @@ class SglangTap:
             bs = self.block_size
             n_full = min(hit_tokens, int(prefix_slots.numel())) // bs
             slots = prefix_slots[:n_full * bs]
+            full = [int(s) for s in slots[bs - 1::bs].tolist()]
             hit = Hit(tokens=list(prompt[:n_full * bs]), hit_tokens=n_full * bs,
-                      blocks={0: [int(s) for s in slots[bs - 1::bs].tolist()]},
-                      key_fields=fields)
+                      blocks={g.group.group_id: full for g in self.groups}, key_fields=fields)
             if n_full > 0 and self.sampler.should_sample(hit):
-                refs = self.sampler.choose(hit, bs, self.blocks_per_sample)
-                kv = [(0, r.index, r.block_id, *self._read(slots[r.index * bs:
-                                                              (r.index + 1) * bs]))
+                group_slots = {g.group.group_id: self._group_slots(g, slots)
+                               for g in self.groups}
+                hit = Hit(tokens=hit.tokens, hit_tokens=hit.hit_tokens, key_fields=fields,
+                          blocks={gid: _block_ids(gs, bs) for gid, gs in group_slots.items()})
+                refs = self.sampler.choose(hit, bs, self.blocks_per_sample, self.cache_groups)
+                by_id = {g.group.group_id: g for g in self.groups}
+                kv = [(r.group_id, r.index, r.block_id,
+                       *self._read(by_id[r.group_id].pool,
+                                   group_slots[r.group_id][r.index * bs:(r.index + 1) * bs]))
                       for r in refs]
                 self.flush()
                 self.pipe.send_message("capture", key_fields=fields, **capture_fields(
                     f"{rid}"[:200], "hit", None, prompt[:hit_tokens], len(prompt),
-                    hit_tokens, {0: list(hit.blocks[0])}, kv))
+                    hit_tokens, {gid: list(ids) for gid, ids in hit.blocks.items()}, kv))
             else:
                 self._post("lookups", [[len(prompt), int(hit_tokens)]])
         except Exception:
             self._failed("admit")
+
+    @staticmethod
+    def _group_slots(g: PoolGroup, slots: torch.Tensor) -> torch.Tensor:
+        """The hit's slots in ``g``'s pool (CPU, int64; 0 where SGLang keeps none)."""
+        if g.translate is None:
+            return slots
+        return g.translate(slots).to("cpu", torch.int64)
 
     def released(self, rid: str) -> None:
         """A request let go of its slots. The last one out flushes the outbox and sends the
@@ -187,11 +240,13 @@ class SglangTap:
         except Exception:
             self._failed("release")
 
-    def _read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` for every layer, as (layers, kv_heads, tokens, head_dim)."""
-        idx = slots.to(self.pool.k_buffer[0].device)
-        k = torch.stack([buf[idx] for buf in self.pool.k_buffer]).transpose(1, 2)
-        v = torch.stack([buf[idx] for buf in self.pool.v_buffer]).transpose(1, 2)
+    @staticmethod
+    def _read(pool: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` for every layer of ``pool``, as (layers, kv_heads, tokens,
+        head_dim)."""
+        idx = slots.to(pool.k_buffer[0].device)
+        k = torch.stack([buf[idx] for buf in pool.k_buffer]).transpose(1, 2)
+        v = torch.stack([buf[idx] for buf in pool.v_buffer]).transpose(1, 2)
         return k.contiguous().cpu(), v.contiguous().cpu()
 
     def _post(self, kind: str, items: list[Any]) -> None:

@@ -81,3 +81,35 @@ def write_tiny_lfm2(path: str | Path, seed: int = 0, num_layers: int = 4,
     Lfm2ForCausalLM(config).float().save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out)
     return out
+
+
+MELLUM_WINDOW = 32  # tokens: two blocks of SGLang's tap (16)
+
+
+def write_tiny_mellum(path: str | Path, seed: int = 0, num_layers: int = 4,
+                      hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
+                      sliding_window: int = MELLUM_WINDOW,
+                      max_positions: int = 2048) -> Path:
+    """Write a tiny Mellum (sliding, full, sliding, full...; dense MLPs; fp32 safetensors
+    + config + tokenizer) to ``path``; returns it. SGLang serves it as a hybrid SWA model:
+    full and sliding-window layers in two pools of its own, the radix tree keeping the
+    sliding layers' K/V only for a window (tombstones before it)."""
+    import torch
+    from transformers import MellumConfig, MellumForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = MellumConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions, sliding_window=sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(num_layers)],
+        mlp_layer_types=["dense"] * num_layers,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    MellumForCausalLM(config).float().save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out)
+    return out
