@@ -132,3 +132,38 @@ def test_half_zeroed_along_any_axis_is_flagged(pattern):
     else:
         v[..., 1::2] = 0
     assert kinds(check_content(BlockKV(REF, k, v))) == {AnomalyKind.ZEROS}, pattern
+
+
+@pytest.mark.parametrize(("shape", "zeroed", "flagged"), [
+    ((60, 8, 32, 128), (..., slice(64, None)), True),  # half of every head row
+    ((60, 8, 32, 128), (..., slice(52, None)), True),
+    ((60, 8, 64, 128), (slice(None), slice(None), slice(1, None, 2)), True),  # odd tokens
+    ((60, 8, 32, 128), (..., slice(None, 63)), False),  # 49.2%: not half
+])
+def test_the_sample_does_not_alias_with_60_layer_shapes(shape, zeroed, flagged):
+    """Found from outside: on 60-layer shapes (Yi-34B, Falcon-40B) a golden-ratio choice of
+    runs saw one half of every head row: a half-zero block passed, a 49%-zero one was
+    flagged with a sampled ratio of 0.93."""
+    k, v = kv(shape, torch.bfloat16)
+    k[zeroed] = 0
+    assert (AnomalyKind.ZEROS in kinds(check_content(BlockKV(REF, k, v)))) == flagged
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2,
+                                   torch.float8_e4m3fnuz, torch.float8_e5m2fnuz], ids=str)
+def test_fp8_blocks_strided_or_rocm_are_checked_not_crashed(dtype):
+    """Found from outside: a non-contiguous fp8 block (an adapter's permute) and ROCm's fnuz
+    fp8 raised torch's "not implemented" for fp8 reductions."""
+    k, v = kv((4, 2, 8, 16), torch.float32)
+    kt, vt = k.transpose(1, 2).to(dtype).transpose(1, 2), v.to(dtype)[:, :, ::2]
+    assert check_content(BlockKV(REF, kt, vt)) == []
+    bad = v.clone()
+    bad[1, 1, 2, 5] = float("nan")  # an even token: kept by the ::2 view
+    assert kinds(check_content(BlockKV(REF, kt, bad.to(dtype)[:, :, ::2]))) == {
+        AnomalyKind.NONFINITE}
+    assert kinds(check_content(BlockKV(REF, kt, torch.zeros_like(vt)))) == {AnomalyKind.ZEROS}
+
+
+def test_a_single_element_is_not_degenerate():
+    one = torch.tensor(1.5, dtype=torch.bfloat16)
+    assert check_content(BlockKV(REF, one, one.reshape(1))) == []
