@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.harness import BLOCK, MAX_TOTAL_TOKENS, Server, start_server
+from tests.sglang.harness import BLOCK, MAX_TOTAL_TOKENS, Server, Workload, start_server
 
 MEASUREMENTS: dict[str, Any] = {}
 
@@ -93,6 +94,30 @@ def swa_stack(request: pytest.FixtureRequest, tiny_mellum: str) -> Iterator[Stac
     # (see tests/sglang/test_swa.py: its CPU attention path breaks once it does).
     with serving(tiny_mellum, request.param, max_total_tokens=4 * MAX_TOTAL_TOKENS) as s:
         yield s
+
+
+def dropped(stack: Stack) -> int:
+    """Sampled hits the sidecar counted as dropped, whatever the reason."""
+    from sidecar import signals as S
+
+    return int(stack.sidecar.metrics.value_sum(S.SAMPLES_DROPPED.name))
+
+
+def clean_traffic(stack: Stack, workload: Workload, rounds: int) -> list[Any]:
+    """``rounds`` rounds of ``workload`` (every request after the first round hits), then
+    the verdicts of every sampled hit: waits (at most 120 s) until each is verified or was
+    counted as dropped (under load the tap's pipe drops captures its queue cannot hold)."""
+    verdicts: list[Any] = []
+    for r in range(rounds):
+        for tokens in workload.round():
+            stack.server.generate(tokens)
+        if r % 4 == 3:
+            verdicts += stack.sidecar.verify_pending()
+    hits = (rounds - 1) * len(workload.prefixes)
+    deadline = time.monotonic() + 120
+    while len(verdicts) + dropped(stack) < hits and time.monotonic() < deadline:
+        verdicts += stack.sidecar.verify_pending()
+    return verdicts
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 from sidecar import signals as S
 from sidecar.signals import AnomalyKind as A
 from sidecar.signals import InvariantKind as K
-from tests.sglang.conftest import MEASUREMENTS, Stack
+from tests.sglang.conftest import MEASUREMENTS, Stack, clean_traffic, dropped
 from tests.sglang.harness import BLOCK, MAX_TOTAL_TOKENS, Workload
 
 pytestmark = pytest.mark.sglang
@@ -38,30 +38,17 @@ def _verify(stack: Stack) -> list:
     return stack.sidecar.verify_pending()
 
 
-def _dropped(stack: Stack) -> int:
-    """Sampled hits the sidecar counted as dropped, whatever the reason."""
-    return int(stack.sidecar.metrics.value_sum(S.SAMPLES_DROPPED.name))
-
-
 def test_clean_traffic_is_quiet(stack: Stack) -> None:
     srv, sc = stack.server, stack.sidecar
     w = Workload(seed=1, lengths=(40, 70, 100, 130, 180))
-    verdicts = []
-    for r in range(CLEAN_ROUNDS):
-        for tokens in w.round():
-            srv.generate(tokens)
-        if r % 4 == 3:
-            verdicts += _verify(stack)
+    verdicts = clean_traffic(stack, w, CLEAN_ROUNDS)
     hits = (CLEAN_ROUNDS - 1) * len(w.prefixes)  # every request after the first round
-    deadline = time.monotonic() + 120
-    while len(verdicts) + _dropped(stack) < hits and time.monotonic() < deadline:
-        verdicts += _verify(stack)
     # Every sampled hit is verified or counted as dropped (under load the tap's pipe drops
     # captures its queue cannot hold: a fresh clone beside two CPU hogs dropped 6 of 185);
     # then clean traffic goes on, at most 8 more rounds, until 1,000 blocks were verified.
-    dropped = _dropped(stack)
-    MEASUREMENTS[f"{stack.dtype} clean sampled hits dropped"] = dropped
-    assert len(verdicts) + dropped == hits and dropped <= hits // 10
+    lost = dropped(stack)
+    MEASUREMENTS[f"{stack.dtype} clean sampled hits dropped"] = lost
+    assert len(verdicts) + lost == hits and lost <= hits // 10
     assert stack.sidecar.metrics.value_sum(S.HOOK_INPUT_REJECTED.name) == 0
     for _ in range(8 if CLEAN_ROUNDS >= 38 else 0):
         if sum(len(v.verified) for v in verdicts) >= 1000:

@@ -28,7 +28,7 @@ import pytest
 from sidecar import signals as S
 from sidecar.core.protocol import GroupKind
 from sidecar.signals import AnomalyKind as A
-from tests.sglang.conftest import MEASUREMENTS, Stack
+from tests.sglang.conftest import MEASUREMENTS, Stack, clean_traffic, dropped
 from tests.sglang.harness import BLOCK, Workload
 
 pytestmark = pytest.mark.sglang
@@ -43,27 +43,15 @@ def _group(stack: Stack, kind: GroupKind) -> int:
     return next(g.group_id for g in stack.sidecar.info.groups if g.kind is kind)
 
 
-def _dropped(stack: Stack) -> int:
-    return int(stack.sidecar.metrics.value_sum(S.SAMPLES_DROPPED.name))
-
-
 def test_swa_clean_traffic_is_quiet_in_both_groups(swa_stack: Stack) -> None:
-    srv, sc = swa_stack.server, swa_stack.sidecar
+    sc = swa_stack.sidecar
     sliding = _group(swa_stack, GroupKind.SLIDING_WINDOW)
     assert sc.info.groups[sliding].sliding_window == 32
     w = Workload(seed=2, lengths=(40, 70, 100, 130, 180))
-    verdicts = []
-    for r in range(CLEAN_ROUNDS):
-        for tokens in w.round():
-            srv.generate(tokens)
-        if r % 4 == 3:
-            verdicts += sc.verify_pending()
+    verdicts = clean_traffic(swa_stack, w, CLEAN_ROUNDS)
     hits = (CLEAN_ROUNDS - 1) * len(w.prefixes)
-    deadline = time.monotonic() + 120
-    while len(verdicts) + _dropped(swa_stack) < hits and time.monotonic() < deadline:
-        verdicts += sc.verify_pending()
-    dropped = _dropped(swa_stack)
-    assert len(verdicts) + dropped == hits and dropped <= hits // 10
+    lost = dropped(swa_stack)
+    assert len(verdicts) + lost == hits and lost <= hits // 10
     per_group = {g.group_id: 0 for g in sc.info.groups}
     for v in verdicts:
         for ref in v.verified:
@@ -72,7 +60,7 @@ def test_swa_clean_traffic_is_quiet_in_both_groups(swa_stack: Stack) -> None:
     errors = {g: max((e for v in verdicts for gg, e in v.errors if gg == g), default=0.0)
               for g in per_group}
     MEASUREMENTS[f"{swa_stack.dtype} swa clean verified blocks per group"] = per_group
-    MEASUREMENTS[f"{swa_stack.dtype} swa clean dropped"] = dropped
+    MEASUREMENTS[f"{swa_stack.dtype} swa clean dropped"] = lost
     MEASUREMENTS[f"{swa_stack.dtype} swa clean max recompute error per group"] = {
         g: f"{e:.3g}" for g, e in errors.items()}
     assert findings == []

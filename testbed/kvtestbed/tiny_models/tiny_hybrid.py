@@ -28,6 +28,15 @@ GEMMA2_WINDOW = 64  # tokens: two blocks of 32
 LFM2_CONV_L_CACHE = 3  # conv kernel width; the cached state is its last L - 1 inputs
 
 
+def _dims(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+          max_positions: int) -> dict[str, Any]:
+    """The config fields every tiny attention model here shares."""
+    return {"vocab_size": VOCAB_SIZE, "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+            "head_dim": hidden_size // num_heads, "max_position_embeddings": max_positions}
+
+
 def write_tiny_gemma2(path: str | Path, seed: int = 0, num_layers: int = 4,
                       hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                       sliding_window: int = GEMMA2_WINDOW,
@@ -39,11 +48,8 @@ def write_tiny_gemma2(path: str | Path, seed: int = 0, num_layers: int = 4,
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = Gemma2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_positions, sliding_window=sliding_window,
-        query_pre_attn_scalar=hidden_size // num_heads,
+        **_dims(num_layers, hidden_size, num_heads, num_kv_heads, max_positions),
+        sliding_window=sliding_window, query_pre_attn_scalar=hidden_size // num_heads,
         attn_logit_softcapping=None, final_logit_softcapping=None,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
     )
@@ -100,10 +106,8 @@ def write_tiny_mellum(path: str | Path, seed: int = 0, num_layers: int = 4,
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = MellumConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_positions, sliding_window=sliding_window,
+        **_dims(num_layers, hidden_size, num_heads, num_kv_heads, max_positions),
+        sliding_window=sliding_window,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                      for i in range(num_layers)],
         mlp_layer_types=["dense"] * num_layers,
