@@ -29,7 +29,7 @@ from sidecar.adapters.vllm.wire import (
     unpack,
 )
 from sidecar.checks.calibration import Calibration, CalibrationConfig
-from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile
+from sidecar.checks.calibration_profile import Profile, ProfileEntry, host_kernels, save_profile
 from sidecar.checks.fingerprint import kv_digest
 from sidecar.checks.tolerance import min_tolerance
 from sidecar.core.monitor import Monitor, SidecarConfig
@@ -255,7 +255,8 @@ def test_verifier_compares_bit_exactly_where_prefill_wrote_and_calibrates_decode
     profile = tmp_path / "profile.json"  # a trusted run found the prefill path exact
     save_profile(profile, Profile((ProfileEntry(
         model=info.model, dtype="bfloat16", reference="engine", floor=0.0,
-        tolerance=min_tolerance("bfloat16"), blocks=2000, write_path="prefill"),)))
+        tolerance=min_tolerance("bfloat16"), blocks=2000, write_path="prefill",
+        kernels=host_kernels()),)))
     mon = Monitor(VllmAdapter(info, reference), SidecarConfig(
         dispatch="inline", burst_hits=0, calibration_samples=2,
         calibration_profile=str(profile)), info=info)

@@ -21,8 +21,10 @@ and write path (``prefill``/``decode`` where the engine's probe says which wrote
   the block's spread, far under the few-ulps minimum, is caught. Where the floor is not 0
   (a backend whose kernels are not batch-invariant, GPUs), the usual clamp applies. A
   profile entry for an exact path decides it from the start: floor 0 (over its thousands of
-  blocks), tolerance 0 before any block is learnt; floor above 0 (float16 prefills on the
-  reference engine differ in ~2% of blocks), never exact, whatever 64 blocks showed;
+  blocks) measured on these kernels (:func:`~sidecar.checks.calibration_profile.host_kernels`),
+  tolerance 0 before any block is learnt; floor 0 measured on other kernels (or not said),
+  exact only as learnt here, refutable; floor above 0 (float16 prefills on the reference
+  engine differ in ~2% of blocks), never exact, whatever 64 blocks showed;
 * **drift**: afterwards, the ``quantile`` of the last ``window`` errors divided by the
   floor, the lower of the learnt and the profile's (a corruption present since the start
   raises the learnt floor, never the profile's; the floor never taken below ``minimum /
@@ -144,11 +146,15 @@ class NoiseFloor:
         # learning may return to; never above the ceiling, never under the minimum.
         self.profile_tolerance: float | None = None
         self._profile_floor: float | None = None
+        self._exact_trusted = False
         if profile is not None and not fixed:
             # An exact path whose trusted run never saw a bit differ (floor 0 over its
             # thousands of blocks) is compared bit-exactly from the first block: a block
             # corrupted before it is stored, from the start, is never learnt as noise.
-            self.profile_tolerance = 0.0 if self.exact and profile.floor == 0.0 \
+            # Only on the kernels it was measured on (ProfileEntry.exact_here): elsewhere
+            # exactness is learnt from the window, and refutable.
+            self._exact_trusted = self.exact and profile.exact_here
+            self.profile_tolerance = 0.0 if self._exact_trusted \
                 else min(self.ceiling, max(self.minimum, profile.tolerance))
             self._profile_floor = profile.floor
             self.tolerance = self.profile_tolerance
@@ -190,7 +196,7 @@ class NoiseFloor:
         exact = self.exact and self.floor == 0.0 and not self._profile_floor
         learnt = 0.0 if exact \
             else min(self.ceiling, max(self.minimum, self.cfg.multiple * self.floor))
-        self.provisional = exact and self.profile_tolerance is None
+        self.provisional = exact and not self._exact_trusted
         # Downward-safe: a floor learnt now (perhaps beside a broken engine) may tighten
         # the profile's tolerance, never loosen it.
         self.tolerance = learnt if self.profile_tolerance is None \

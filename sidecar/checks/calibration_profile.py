@@ -16,6 +16,15 @@ engine does not say whether prefill or decode wrote a block). The file is small 
                   "kv_storage": null, "reference": "engine", "write_path": "all",
                   "floor": 0.0256, "tolerance": 0.102, "multiple": 4.0, "blocks": 5238}]}
 
+An entry also names the **kernels** it was measured on (:func:`host_kernels`: torch's CPU
+capability, AMX, the GPU). Exactness does not travel: a floor of exactly 0 measured where
+bf16 prefills were bit-reproducible is a hypothesis on a machine whose kernels differ (with
+AMX, oneDNN's bf16 matmuls depend on the shapes: the reference engine's prefill recompute
+then differs from its write by up to 0.008 in about 0.1% of blocks). Such an entry is
+compared exactly only where ``kernels`` match; elsewhere exactness is learnt and refutable
+like a path without a profile. An entry without ``kernels`` (written before it existed) is
+trusted for its tolerance, not for exactness.
+
 It is read like any file from outside: size-capped, every field type-checked, every number
 finite and in range, unknown dtypes, reference kinds and fields refused with the entry named
 (:class:`ProfileError`, raised at start — never in a hook).
@@ -30,6 +39,7 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +77,12 @@ class ProfileEntry:
     write_path: str = "all"
     kv_storage: str | None = None
     engine: str = ""
+    kernels: str = ""  # host_kernels() of the trusted run; "" = not recorded
+
+    @property
+    def exact_here(self) -> bool:
+        """A floor of exactly 0, measured on the kernels this process runs on."""
+        return self.floor == 0.0 and bool(self.kernels) and self.kernels == host_kernels()
 
     @property
     def key(self) -> tuple[str, str, str | None, str, str]:
@@ -109,7 +125,7 @@ class Profile:
 _FIELDS: dict[str, tuple[type, ...]] = {
     "engine": (str,), "model": (str,), "dtype": (str,), "reference": (str,),
     "write_path": (str,), "kv_storage": (str, type(None)), "floor": (int, float),
-    "tolerance": (int, float), "multiple": (int, float), "blocks": (int,)}
+    "tolerance": (int, float), "multiple": (int, float), "blocks": (int,), "kernels": (str,)}
 _REQUIRED = ("model", "dtype", "reference", "floor", "tolerance", "blocks")
 
 
@@ -161,7 +177,8 @@ def _entry(item: Any, where: str) -> ProfileEntry:
         types = _FIELDS[name]
         if isinstance(value, bool) or not isinstance(value, types):
             raise ProfileError(f"{where}: {name} has the wrong type ({type(value).__name__})")
-        if isinstance(value, str) and not 0 < len(value) <= MAX_NAME and name != "engine":
+        if isinstance(value, str) and not 0 < len(value) <= MAX_NAME and \
+                name not in ("engine", "kernels"):
             raise ProfileError(f"{where}: {name} must be 1..{MAX_NAME} characters")
     fields: dict[str, Any] = {k: float(v) if k in ("floor", "tolerance", "multiple") else v
                               for k, v in item.items()}
@@ -177,8 +194,9 @@ def _entry(item: Any, where: str) -> ProfileEntry:
                            f"{', '.join(WRITE_PATHS)}")
     if entry.kv_storage is not None and entry.kv_storage not in STORAGE_TOLERANCES:
         raise ProfileError(f"{where}: unknown KV storage {entry.kv_storage!r}")
-    if len(entry.engine) > MAX_NAME:
-        raise ProfileError(f"{where}: engine must be at most {MAX_NAME} characters")
+    for name in ("engine", "kernels"):
+        if len(getattr(entry, name)) > MAX_NAME:
+            raise ProfileError(f"{where}: {name} must be at most {MAX_NAME} characters")
     if not (math.isfinite(entry.floor) and entry.floor >= 0):
         raise ProfileError(f"{where}: floor must be a finite number >= 0, got {entry.floor}")
     if not (math.isfinite(entry.tolerance) and entry.tolerance > 0):
@@ -218,6 +236,25 @@ def save_profile(path: str | os.PathLike[str], profile: Profile) -> None:
         raise
 
 
+@lru_cache(maxsize=1)
+def host_kernels() -> str:
+    """The kernels a recompute runs on in this process, as far as bit-exactness goes:
+    torch's CPU capability (``avx2``, ``avx512``...), ``+amx`` where the CPU has AMX, and
+    the first GPU's name where torch sees one. E.g. ``cpu:avx512+amx``."""
+    import torch
+
+    out = f"cpu:{torch.backends.cpu.get_cpu_capability().lower()}"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = f.read(1 << 20)
+        out += "+amx" if " amx_bf16" in flags else ""
+    except OSError:  # not Linux: the capability alone
+        pass
+    if torch.cuda.is_available():
+        out += f" cuda:{torch.cuda.get_device_name(0)}"
+    return out[:MAX_NAME]
+
+
 def measured_entries(states: Iterable[Any], *, reference: str, dtype: str, model: str,
                      kv_storage: str | None, engine: str, multiple: float,
                      min_blocks: int) -> list[ProfileEntry]:
@@ -237,7 +274,7 @@ def measured_entries(states: Iterable[Any], *, reference: str, dtype: str, model
     return [ProfileEntry(model=model, dtype=dtype, reference=reference, floor=s.clean_max,
                          tolerance=min(ceiling, max(minimum, multiple * s.clean_max)),
                          blocks=s.clean_blocks, multiple=multiple, write_path=path,
-                         kv_storage=kv_storage, engine=engine)
+                         kv_storage=kv_storage, engine=engine, kernels=host_kernels())
             for path, s in sorted(by_path.items())
             if path == "all" or s.clean_blocks >= min_blocks]
 

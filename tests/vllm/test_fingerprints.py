@@ -95,7 +95,12 @@ def _trusted_profile(model_dir: str, d: Path) -> str:
     in-process, so written directly): the engine reference's prefill path with floor 0
     (measured: 299-480 blocks per model)."""
     from sidecar.adapters.vllm.adapter import engine_info_from_checkpoint
-    from sidecar.checks.calibration_profile import Profile, ProfileEntry, save_profile
+    from sidecar.checks.calibration_profile import (
+        Profile,
+        ProfileEntry,
+        host_kernels,
+        save_profile,
+    )
     from sidecar.checks.tolerance import min_tolerance
     from tests.vllm.harness import BLOCK
 
@@ -104,7 +109,7 @@ def _trusted_profile(model_dir: str, d: Path) -> str:
     save_profile(path, Profile((ProfileEntry(
         model=info.model, dtype="bfloat16", reference="engine", floor=0.0,
         tolerance=min_tolerance("bfloat16"), blocks=299, write_path="prefill",
-        kv_storage=info.kv_storage, engine=info.engine),)))
+        kv_storage=info.kv_storage, engine=info.engine, kernels=host_kernels()),)))
     return str(path)
 
 
