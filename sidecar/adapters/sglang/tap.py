@@ -165,7 +165,7 @@ class SglangTap:
         ending past it are new. ``path_slots`` are the tree's slots for the whole key. The
         token-digest chain starts at the last stored block before the new ones when its
         digest is known (:attr:`_digests`): an insert costs its new blocks, not its prompt
-        (a 500-token prompt ending in one new block: 47 -> ~5 us)."""
+        (a 500-token prompt ending in one new block: 43 -> 6 us)."""
         try:
             bs = self.block_size
             n = min(len(token_ids), int(path_slots.numel())) // bs * bs
