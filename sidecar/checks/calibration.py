@@ -21,10 +21,10 @@ and write path (``prefill``/``decode`` where the engine's probe says which wrote
   the block's spread, far under the few-ulps minimum, is caught. Where the floor is not 0
   (a backend whose kernels are not batch-invariant, GPUs), the usual clamp applies. A
   profile entry for an exact path decides it from the start: floor 0 (over its thousands of
-  blocks) measured on these kernels (:func:`~sidecar.checks.calibration_profile.host_kernels`),
-  tolerance 0 before any block is learnt; floor 0 measured on other kernels (or not said),
-  exact only as learnt here, refutable; floor above 0 (float16 prefills on the reference
-  engine differ in ~2% of blocks), never exact, whatever 64 blocks showed;
+  blocks) measured on these kernels (:func:`~sidecar.checks.calibration_profile.host_kernels`,
+  or an entry that does not say), tolerance 0 before any block is learnt; floor 0 measured on
+  other kernels, exact only as learnt here, refutable; floor above 0 (float16 prefills on the
+  reference engine differ in ~2% of blocks), never exact, whatever 64 blocks showed;
 * **drift**: afterwards, the ``quantile`` of the last ``window`` errors divided by the
   floor, the lower of the learnt and the profile's (a corruption present since the start
   raises the learnt floor, never the profile's; the floor never taken below ``minimum /
