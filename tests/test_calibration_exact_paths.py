@@ -14,7 +14,12 @@ from __future__ import annotations
 import pytest
 
 from sidecar.checks.calibration import Calibration, CalibrationConfig
-from sidecar.checks.calibration_profile import Profile, ProfileEntry, host_kernels
+from sidecar.checks.calibration_profile import (
+    Profile,
+    ProfileEntry,
+    host_kernels,
+    parse_profile,
+)
 from sidecar.checks.tolerance import min_tolerance
 from sidecar.core.protocol import BlockRef, StoredBlock, WritePath
 from sidecar.core.store_index import StoreIndex
@@ -75,10 +80,44 @@ def test_exact_measured_on_other_kernels_is_learnt_and_refutable_here() -> None:
 
 
 def test_profile_floor_above_zero_keeps_an_exact_path_off_exact() -> None:
-    cal = _calibration(_profile(("engine", "prefill", 0.0016, 0.0078)))
-    for _ in range(4):  # the first blocks happen to match bit for bit
-        cal.observe("engine", 0.0, True, "prefill")
-    assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
+    """Measured here, the floor is near-exact (the multiple of it, under the minimum);
+    measured elsewhere or not saying where, the minimum holds. Never exact either way."""
+    for kernels, expected in ((None, 4.0 * 0.0016), ("", min_tolerance("bfloat16")),
+                              ("cpu:elsewhere", min_tolerance("bfloat16"))):
+        cal = _calibration(_profile(("engine", "prefill", 0.0016, 0.0078), kernels=kernels))
+        assert cal.tolerance("engine", "prefill") == pytest.approx(expected)
+        for _ in range(4):  # the first blocks happen to match bit for bit
+            cal.observe("engine", 0.0, True, "prefill")
+        assert cal.tolerance("engine", "prefill") == pytest.approx(expected), kernels
+        assert not cal.refute_exact("engine", "prefill", 0.001)
+
+
+def test_near_exact_is_only_for_exact_paths() -> None:
+    """A decode-written block is recomputed by other kernels: its floor, however small,
+    keeps the minimum."""
+    cal = _calibration(_profile(("engine", "decode", 0.0016, 0.0078)))
+    assert cal.tolerance("engine", "decode") == min_tolerance("bfloat16")
+
+
+def test_a_profile_keeps_one_measurement_per_kernels() -> None:
+    """One file, the same key measured with AMX and without: each process takes the one
+    measured on its kernels, else the one that does not say, else any (not exact)."""
+    here, other = host_kernels(), "cpu:elsewhere"
+    entries = [ProfileEntry(model="m", dtype="bfloat16", reference="engine", floor=f,
+                            tolerance=0.0625, blocks=2000, write_path="prefill", kernels=k)
+               for f, k in ((0.0, other), (0.008, here), (0.0, ""))]
+    prof = Profile(tuple(entries))
+    assert prof.find("m", "bfloat16", None, "engine", "prefill") == entries[1]
+    assert Profile((entries[0], entries[2])).find(
+        "m", "bfloat16", None, "engine", "prefill") == entries[2]
+    only_other = Profile((entries[0],)).find("m", "bfloat16", None, "engine", "prefill")
+    assert only_other == entries[0] and not only_other.exact_here
+    # merging replaces the same key on the same kernels only
+    newer = ProfileEntry(model="m", dtype="bfloat16", reference="engine", floor=0.004,
+                         tolerance=0.0625, blocks=3000, write_path="prefill", kernels=here)
+    merged = prof.merged(Profile((newer,)))
+    assert len(merged.entries) == 3 and newer in merged.entries
+    assert parse_profile(merged.to_json().encode()).entries == merged.entries
     without = _calibration(None)  # without a profile the window decides, as before
     for _ in range(4):
         without.observe("engine", 0.0, True, "prefill")
@@ -122,3 +161,24 @@ def test_the_refuting_error_is_not_learnt_as_the_floor() -> None:
     minimum = min_tolerance("bfloat16")
     assert cal.refute_exact("engine", "prefill", 0.95 * minimum)
     assert cal.tolerance("engine", "prefill") == minimum  # the clamp, not 4 x 0.059
+
+
+@pytest.mark.parametrize(("cap", "amx_allowed"), [
+    (None, True), ("ALL", True), ("avx512_core_amx", True), ("AVX512_CORE_BF16", False),
+    ("AVX2", False)])
+def test_host_kernels_name_amx_only_where_onednn_may_use_it(
+        monkeypatch: pytest.MonkeyPatch, cap: str | None, amx_allowed: bool) -> None:
+    """oneDNN's ISA cap decides whether bf16 matmuls run on AMX (whose results depend on
+    the shapes); a profile measured with the cap on is exact again without AMX."""
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        has_amx = " amx_bf16" in f.read()
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    host_kernels.cache_clear()
+    try:
+        assert host_kernels().endswith("+amx") is (has_amx and amx_allowed)
+    finally:
+        host_kernels.cache_clear()

@@ -10,6 +10,11 @@ that the engine's own prefill reproduces prefill-written blocks bit for bit in b
 is flagged on every hit that serves such a block, even when present from the first request.
 Decode-written blocks (a prefill recompute rounds them apart, floor 0.025) keep the
 calibrated tolerance.
+
+On a CPU with AMX the engine's bf16 prefills are not bit-exact (oneDNN's AMX matmuls depend
+on the shapes: 7 of 5,154 clean blocks differ by 0.008); the shipped profile's entry measured
+there (``kernels`` ``cpu:avx512+amx``) makes the compare near-exact instead: 3 x that floor,
+0.024, still under the offset's 0.05 (:func:`sidecar.checks.calibration.near_exact_tolerance`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvtestbed.engines.fault_base import Fault
 from kvtestbed.engines.model import ModelConfig
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 
+from sidecar.checks.tolerance import min_tolerance
 from sidecar.checks.verifier import Verdict
 from sidecar.config.settings import SidecarConfig
 from sidecar.core.monitor import Monitor
@@ -98,8 +104,9 @@ def test_prestore_offset_in_bf16_is_flagged_on_every_hit_serving_a_prefill_block
         if "prefill" in paths:
             prefill_hits += 1
             flagged += AnomalyKind.RECOMPUTE_MISMATCH in v.kinds()
-            # Judged bit-exactly: the write-time digest matched (it certifies the offset).
-            assert v.tolerance == 0.0 and all(v.fingerprints.values())
+            # Judged bit-exactly (or near-exactly, with AMX: see the module docstring); the
+            # write-time digest matched (it certifies the offset).
+            assert v.tolerance < min_tolerance("bfloat16") and all(v.fingerprints.values())
         elif paths:
             decode_only += 1
     assert prefill_hits >= 40
@@ -118,7 +125,10 @@ def test_clean_runs_stay_quiet_with_write_paths(
     paths = {v.sample.records[r].write_path for v in verdicts for r in v.verified
              if v.sample.records.get(r) is not None}
     assert paths == {"prefill", "decode"}  # the engine reports both paths
-    exact = [v for v in verdicts if v.tolerance == 0.0]
-    # bfloat16 prefill-written blocks are compared bit-exactly; float16 and float32
-    # prefills differ in some blocks (the profile's floor is not 0), never exactly.
-    assert bool(exact) is (dtype == "bfloat16")
+    # bfloat16 prefill-written blocks are compared under the few-ulps minimum (bit-exactly,
+    # or near-exactly with AMX); float16 and float32 prefills differ in some blocks (the
+    # profile's floor is not 0), never bit-exactly.
+    if dtype == "bfloat16":
+        assert any(v.tolerance < min_tolerance(dtype) for v in verdicts)
+    else:
+        assert all(v.tolerance > 0.0 for v in verdicts)

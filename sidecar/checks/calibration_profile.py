@@ -22,10 +22,10 @@ bf16 prefills were bit-reproducible is a hypothesis on a machine whose kernels d
 AMX, oneDNN's bf16 matmuls depend on the shapes: the reference engine's prefill recompute
 then differs from its write by up to 0.008 in about 0.1% of blocks). Such an entry is
 compared exactly only where ``kernels`` match; elsewhere exactness is learnt and refutable
-like a path without a profile. An entry without ``kernels`` (written before it existed, as
-the reference engines' shipped profile) is trusted as before: on a machine with AMX its bf16
-prefill floor of 0 gives rare false alarms (7 in 5,238 clean blocks in `bench detection`)
-until it is measured again there.
+like a path without a profile. One file may hold the same key measured on several kernels
+(:attr:`ProfileEntry.slot`); :meth:`Profile.find` takes the one measured here, else one that
+does not say (written before ``kernels`` existed), else any. The reference engines' shipped
+profile holds both: without AMX (no ``kernels``) and with it (``cpu:avx512+amx``).
 
 It is read like any file from outside: size-capped, every field type-checked, every number
 finite and in range, unknown dtypes, reference kinds and fields refused with the entry named
@@ -82,14 +82,25 @@ class ProfileEntry:
     kernels: str = ""  # host_kernels() of the trusted run; "" = not recorded
 
     @property
+    def measured_here(self) -> bool:
+        """Measured on the kernels this process runs on (:func:`host_kernels`)."""
+        return self.kernels == host_kernels()
+
+    @property
     def exact_here(self) -> bool:
         """A floor of exactly 0, measured on the kernels this process runs on (or not saying
         on which: an entry written before ``kernels`` existed is trusted as it was)."""
-        return self.floor == 0.0 and self.kernels in ("", host_kernels())
+        return self.floor == 0.0 and (self.measured_here or not self.kernels)
 
     @property
     def key(self) -> tuple[str, str, str | None, str, str]:
         return self.model, self.dtype, self.kv_storage, self.reference, self.write_path
+
+    @property
+    def slot(self) -> tuple[str, str, str | None, str, str, str]:
+        """What one entry of a file stands for: its key on its kernels (a file may hold one
+        measurement per kernels for the same key: with AMX and without)."""
+        return (*self.key, self.kernels)
 
     def describe(self) -> str:
         """One line for a person: what was measured, over how much, and what it gives (the
@@ -108,16 +119,22 @@ class Profile:
 
     def find(self, model: str, dtype: str, kv_storage: str | None, reference: str,
              write_path: str = "all") -> ProfileEntry | None:
+        """The entry for the key measured on this process's kernels; else one that does not
+        say on which (written before ``kernels`` existed); else one measured elsewhere (its
+        tolerance holds, its exactness does not: :attr:`ProfileEntry.exact_here`)."""
         key = (model, dtype.removeprefix("torch."), kv_storage, reference, write_path)
-        for entry in self.entries:
-            if entry.key == key:
-                return entry
+        found = [e for e in self.entries if e.key == key]
+        for fits in (lambda e: e.measured_here, lambda e: not e.kernels, lambda e: True):
+            for entry in found:
+                if fits(entry):
+                    return entry
         return None
 
     def merged(self, newer: Profile) -> Profile:
-        """This profile with ``newer``'s entries replacing those of the same key."""
-        keep = {e.key: e for e in self.entries}
-        keep.update({e.key: e for e in newer.entries})
+        """This profile with ``newer``'s entries replacing those of the same key measured on
+        the same kernels (a measurement on other kernels is kept beside them)."""
+        keep = {e.slot: e for e in self.entries}
+        keep.update({e.slot: e for e in newer.entries})
         return Profile(tuple(keep.values()), newer.source or self.source)
 
     def to_json(self) -> str:
@@ -153,13 +170,13 @@ def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
     if len(raw) > MAX_ENTRIES:
         raise ProfileError(f"calibration profile {source}: {len(raw)} entries, over "
                            f"{MAX_ENTRIES}")
-    entries: dict[tuple[str, str, str | None, str, str], ProfileEntry] = {}
+    entries: dict[tuple[str, str, str | None, str, str, str], ProfileEntry] = {}
     for i, item in enumerate(raw):
         entry = _entry(item, f"calibration profile {source}: entry {i}")
-        if entry.key in entries:
+        if entry.slot in entries:
             raise ProfileError(f"calibration profile {source}: entry {i} repeats "
-                               f"{entry.key}")
-        entries[entry.key] = entry
+                               f"{entry.slot}")
+        entries[entry.slot] = entry
     return Profile(tuple(entries.values()), source)
 
 
@@ -243,19 +260,30 @@ def save_profile(path: str | os.PathLike[str], profile: Profile) -> None:
 def host_kernels() -> str:
     """The kernels a recompute runs on in this process, as far as bit-exactness goes:
     torch's CPU capability (``avx2``, ``avx512``...), ``+amx`` where the CPU has AMX, and
-    the first GPU's name where torch sees one. E.g. ``cpu:avx512+amx``."""
+    the first GPU's name where torch sees one. E.g. ``cpu:avx512+amx``. AMX counts only where
+    oneDNN may use it: ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (or ``DNNL_MAX_CPU_ISA``) keeps
+    oneDNN off AMX, and the reference engine's bf16 prefills are then bit-exact again (measured
+    on a Sapphire Rapids CPU: 0 of 5,154 clean blocks differ; with AMX, 7)."""
     import torch
 
     out = f"cpu:{torch.backends.cpu.get_cpu_capability().lower()}"
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             flags = f.read(1 << 20)
-        out += "+amx" if " amx_bf16" in flags else ""
+        out += "+amx" if " amx_bf16" in flags and _onednn_may_use_amx() else ""
     except OSError:  # not Linux: the capability alone
         pass
     if torch.cuda.is_available():
         out += f" cuda:{torch.cuda.get_device_name(0)}"
     return out[:MAX_NAME]
+
+
+def _onednn_may_use_amx() -> bool:
+    """oneDNN's ISA cap (read once, when oneDNN starts) leaves AMX in: unset, ALL or DEFAULT,
+    or an ISA whose name includes AMX."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+           or "ALL").strip().upper()
+    return cap in ("ALL", "DEFAULT") or "AMX" in cap
 
 
 def measured_entries(states: Iterable[Any], *, reference: str, dtype: str, model: str,
@@ -317,6 +345,9 @@ def profile_to_extend(path: str | os.PathLike[str], replace: bool, flag: str) ->
 
 
 def save_entries(path: str | os.PathLike[str], entries: Iterable[ProfileEntry],
-                 base: Profile) -> None:
-    """Write ``base`` with ``entries`` replacing those of the same key (atomically)."""
-    save_profile(path, base.merged(Profile(tuple(entries), str(path))))
+                 base: Profile) -> int:
+    """Write ``base`` with ``entries`` replacing those of the same key on the same kernels
+    (atomically); the number of entries the file now holds."""
+    merged = base.merged(Profile(tuple(entries), str(path)))
+    save_profile(path, merged)
+    return len(merged.entries)

@@ -22,6 +22,7 @@ from typing import Any
 from sidecar.checks.calibration_profile import (
     ProfileEntry,
     ProfileError,
+    host_kernels,
     measured_entries,
     profile_to_extend,
     save_entries,
@@ -119,6 +120,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             entries.extend(measured)
             for entry in measured:
                 print(entry.describe(), flush=True)
-    save_entries(args.out, entries, base)
-    print(f"wrote {args.out} ({len(entries)} entries)")
+    total = save_entries(args.out, entries, base)
+    print(f"wrote {args.out} ({len(entries)} entries measured on {host_kernels()}, "
+          f"{total} in the file)")
     return 0

@@ -182,10 +182,11 @@ def _write_profile(a: argparse.Namespace, sc: Any, summary: dict[str, Any], base
     except ValueError as exc:
         return refuse(f"{exc}: send more traffic with shared prefixes, or lower "
                       "--profile-min-blocks")
-    save_entries(a.write_profile, entries, base)
+    total = save_entries(a.write_profile, entries, base)
     for e in entries:
         print(f"kv-sidecar vllm serve: profile {e.describe()}", file=sys.stderr)
-    print(f"kv-sidecar vllm serve: wrote {a.write_profile} ({len(entries)} entries)",
+    print(f"kv-sidecar vllm serve: wrote {a.write_profile} ({len(entries)} entries "
+          f"measured, {total} in the file)",
           file=sys.stderr, flush=True)
     return 0
 

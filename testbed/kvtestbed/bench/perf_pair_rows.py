@@ -40,6 +40,7 @@ def pair_rows(res: dict[str, Any], name: str, ratios: dict[str, Any], title: str
         out.append(Row(f"{title} vs off: request {label} latency",
                        med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
                        ratios[key]["median"], "-", None, _spread(ratios[key])))
+    out += thread_rows(rounds, name, title, engine_label)
     roles = [(engine, f"{engine_label}'s processes")]
     if sidecar:
         roles.append(("sidecar", "the sidecar's process"))
@@ -49,3 +50,28 @@ def pair_rows(res: dict[str, Any], name: str, ratios: dict[str, Any], title: str
                        "off", med_cpu(name, role), med_cpu("off", engine), "CPU s",
                        s["median"], "-", None, _spread(s)))
     return out
+
+
+THREAD_ROWS = 3  # the engine's threads shown, those whose CPU per request grew most
+
+
+def thread_rows(rounds: list[dict[str, Any]], name: str, title: str,
+                engine_label: str) -> list[Row]:
+    """Where the engine's extra CPU went: per thread of its processes (by process and thread
+    name, :func:`kvtestbed.bench.proc_cost.group_threads_cpu_s`), the CPU microseconds per
+    request with the configuration on against off, medians over the pairs, for the
+    :data:`THREAD_ROWS` threads that grew most. Absent for runs recorded without them."""
+    if not all("threads_cpu_s" in rd["runs"][c] for rd in rounds for c in (name, "off")):
+        return []
+
+    def per_request(config: str, thread: str) -> float:
+        return statistics.median(rd["runs"][config]["threads_cpu_s"].get(thread, 0.0)
+                                 / max(rd["runs"][config]["requests"], 1) for rd in rounds)
+
+    threads = {t for rd in rounds for c in (name, "off") for t in rd["runs"][c]["threads_cpu_s"]}
+    grown = sorted(((per_request(name, t), per_request("off", t), t) for t in threads),
+                   key=lambda x: x[1] - x[0])[:THREAD_ROWS]
+    return [Row(f"{title} vs off: {engine_label} thread {t!r}, CPU per request", on * 1e6,
+                off * 1e6, "us", on / off if off > 0 else float("nan"), "-", None,
+                f"{(on - off) * 1e6:+.0f} us/request")
+            for on, off, t in grown if on > 0 or off > 0]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtestbed.bench.proc_cost import group_cpu_s, run_clients
+from kvtestbed.bench.proc_cost import group_cpu_s, group_threads_cpu_s, run_clients
 
 BLOCK = 32  # the workload's prefix unit (tokens); each engine blocks it its own way
 
@@ -143,6 +143,11 @@ def cpu_by_role(srv: Server) -> dict[str, float]:
     """CPU seconds so far of this configuration's process groups, by role (the engine's;
     the sidecar's when on)."""
     return {role: group_cpu_s(p.pid) for role, p in zip(srv.roles, srv.procs, strict=True)}
+
+
+def engine_threads(srv: Server, engine: str) -> dict[str, float]:
+    """CPU seconds per thread name of ``engine``'s process group (the role that runs it)."""
+    return group_threads_cpu_s(srv.procs[srv.roles.index(engine)].pid)
 
 
 def sidecar_status(srv: Server) -> dict[str, Any] | None:
@@ -353,11 +358,16 @@ def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs:
             runs = {}
             for name in order:
                 before = cpu_by_role(by_name[name])
+                threads_before = engine_threads(by_name[name], engine)
                 with alone(by_name[name], servers):
                     runs[name] = drive(by_name[name].url, api, prompts, concurrency,
                                        max_tokens)
                 after = cpu_by_role(by_name[name])
+                threads_after = engine_threads(by_name[name], engine)
                 runs[name]["cpu_s"] = {k: after[k] - before[k] for k in after}
+                runs[name]["threads_cpu_s"] = {
+                    t: round(v - threads_before.get(t, 0.0), 3)
+                    for t, v in threads_after.items()}
             rounds.append({"order": order, "runs": runs})
             _progress(f"bench perf --engine {engine}: round {r + 1}/{pairs}: " + ", ".join(
                 f"{n} {runs[n]['tokens_per_s']:.0f} tok/s" for n in names))
