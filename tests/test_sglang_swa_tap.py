@@ -153,7 +153,8 @@ def test_inserts_chain_digests_from_the_last_stored_block(sockdir: Path) -> None
     got: list[dict[str, Any]] = []
     endpoint = f"ipc://{sockdir}/p.sock"
     rx = ProbeReceiver(endpoint, Metrics("sglang", "tiny"), lambda items: None,
-                       lambda cap: None, handlers={"stores": got.append}, groups=[0]).start()
+                       lambda cap: None, groups=[0],
+                       handlers={"stores": got.append, "frees": lambda m: None}).start()
     tokens = list(range(10, 10 + 6 * BS))
     path = torch.arange(1, 1 + 6 * BS)
     try:

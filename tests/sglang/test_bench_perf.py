@@ -40,6 +40,15 @@ def test_quick_json_structure() -> None:
     assert out["settings"]["engine"] == "sglang" and out["settings"]["pairs"] == 2
     assert out["settings"]["sample_every"] == [100] and out["settings"]["canary"] is False
     rows = out["rows"]
+    threads = [r for r in rows if " thread '" in r["figure"]]
+    rows = [r for r in rows if r not in threads]
+    # Where the engine's CPU went, per thread: the threads that grew most, by name.
+    assert 1 <= len(threads) <= 3
+    for r in threads:
+        assert r["figure"].rsplit(": ", 1)[1].startswith("SGLang thread '"), r
+        assert math.isfinite(r["sidecar"]) and math.isfinite(r["baseline"]), r
+        assert r["sidecar"] > 0 or r["baseline"] > 0, r
+        assert r["spread"].endswith(" us/request"), r
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
@@ -67,6 +76,11 @@ def test_quick_json_structure() -> None:
             assert run["requests"] == REQUESTS and run["completion_tokens"] == REQUESTS * 8
             assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
             assert run["cpu_s"]["sglang"] > 0
+            # every live thread of the engine's process group, by process/thread name: most
+            # of the group's CPU (a thread that ended during the run counts in the group's
+            # total only), never more (/proc's ticks: 10 ms each)
+            cpu = run["cpu_s"]["sglang"]
+            assert 0.5 * cpu - 0.1 <= sum(run["threads_cpu_s"].values()) <= 1.05 * cpu + 0.1
     assert rd["order"] != raw["rounds"][0]["order"]  # rotated: interleaved
     # The tap was on: the sidecar counted every timed request's lookup (batched in the
     # engine, flushed when the last request of a round is released), and was quiet.

@@ -36,6 +36,15 @@ def test_quick_json_structure() -> None:
     assert out["settings"]["engine"] == "vllm" and out["settings"]["pairs"] == 2
     assert out["settings"]["sample_every"] == [100]
     rows = out["rows"]
+    threads = [r for r in rows if " thread '" in r["figure"]]
+    rows = [r for r in rows if r not in threads]
+    # Where the engine's CPU went, per thread: the threads that grew most, by name.
+    assert 1 <= len(threads) <= 3
+    for r in threads:
+        assert r["figure"].rsplit(": ", 1)[1].startswith("vLLM thread '"), r
+        assert math.isfinite(r["sidecar"]) and math.isfinite(r["baseline"]), r
+        assert r["sidecar"] > 0 or r["baseline"] > 0, r
+        assert r["spread"].endswith(" us/request"), r
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of vLLM's processes per run, vs vLLM's off",
@@ -56,6 +65,11 @@ def test_quick_json_structure() -> None:
             assert run["requests"] == 200 and run["completion_tokens"] == 200 * 8
             assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
             assert run["cpu_s"]["vllm"] > 0
+            # every live thread of the engine's process group, by process/thread name: most
+            # of the group's CPU (a thread that ended during the run counts in the group's
+            # total only), never more (/proc's ticks: 10 ms each)
+            cpu = run["cpu_s"]["vllm"]
+            assert 0.5 * cpu - 0.1 <= sum(run["threads_cpu_s"].values()) <= 1.05 * cpu + 0.1
     assert rd["order"] != raw["rounds"][0]["order"]  # rotated: interleaved
     ratios = raw["ratios"]["100"]
     for key in ("tokens_per_s", "p50", "p99", "vllm_cpu", "sidecar_cpu"):

@@ -223,9 +223,14 @@ def attach(tree: Any, tap: SglangTap) -> Any:
         t0 = clock()
         try:
             key = params.key
-            if key is not None and not getattr(key, "is_bigram", False):
+            prefix_len = int(result.prefix_len)
+            # Only an insert that completes a block past what the tree had stores one: the
+            # path (SGLang concatenates its nodes' slots) is asked for then only (most
+            # inserts of a chat, a request's unfinished and finished caching, add none).
+            if key is not None and not getattr(key, "is_bigram", False) and \
+                    len(key) // tap.block_size * tap.block_size > prefix_len:
                 path = tree.path_device_indices(result.last_device_node)
-                tap.inserted(key.raw_token_ids(), path, int(result.prefix_len),
+                tap.inserted(key.raw_token_ids(), path, prefix_len,
                              key_fields(key.extra_key, key.cache_salt))
         except Exception:
             tap._failed("insert hook")
@@ -238,7 +243,9 @@ def attach(tree: Any, tap: SglangTap) -> Any:
             if req.rid not in tap._admitted:
                 hit = int(getattr(req, "cached_tokens", 0) or 0)
                 row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-                tap.admitted(req.rid, list(req.origin_input_ids), hit, row[:hit].to("cpu"),
+                # The prompt and the slot row as SGLang keeps them: sliced and copied (off
+                # a GPU: a device sync) only for a sampled hit.
+                tap.admitted(req.rid, req.origin_input_ids, hit, row,
                              key_fields(req.extra_key, req.cache_salt))
         except Exception:
             tap._failed("checkpoint hook")

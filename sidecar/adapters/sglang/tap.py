@@ -9,10 +9,13 @@ store always reaches the sidecar before a hit that names it):
 
 * ``hello``: block size, dtype, KV heads, head dim, the cache groups (each pool's layers and
   kind), SGLang version;
-* ``stores``: ``[[block_id, prefix_tokens, tokens, prefix_digest, key_fields], ...]`` for the
+* ``events``: ``[[kind, fields], ...]``, runs of stores, frees and lookups in the order
+  they happened, each with the fields its own message would have (one message per flush of
+  the outbox, below; ``tap_stats`` rides last when the server goes quiet);
+* stores: ``[[block_id, prefix_tokens, tokens, prefix_digest, key_fields], ...]`` for the
   full blocks an insert added to the tree;
-* ``frees``: block ids whose last slot went back to the allocator (evicted, or freed);
-* ``lookups`` / ``capture``: one lookup per admitted request (what SGLang itself counts as
+* frees: block ids whose last slot went back to the allocator (evicted, or freed);
+* lookups / ``capture``: one lookup per admitted request (what SGLang itself counts as
   the request's cached tokens), and for 1 in ``sample_every`` hits the K/V of the chosen
   blocks, copied while the request still holds them. On a hybrid SWA server (full and
   sliding-window layers in two pools) the hit names each block twice: in the full group by
@@ -24,13 +27,14 @@ store always reaches the sidecar before a hit that names it):
 * ``tap_stats``: the tap's own errors and the time SGLang's thread spent in it (``busy_ns``,
   added up by :mod:`.backend`'s hooks), with each census and when the server goes quiet.
 
-Stores, frees and lookups wait in one ordered outbox (consecutive items of a kind share a
-message) and leave together: before a capture or a census (so the sidecar has every event
-that came before what it checks), when 64 items wait, and when the last admitted request
-is released (a server going quiet keeps nothing back). A message per event cost the
-scheduler a ZMQ send each (the largest share of the tap in a py-spy profile of the
-scheduler); the slot maps are NumPy arrays for the same reason (a torch op per
-allocation or free costs several microseconds of dispatch).
+Stores, frees and lookups wait in one ordered outbox and leave together, in one ``events``
+message: before a capture or a census (so the sidecar has every event that came before
+what it checks), when 64 items wait, and when the last admitted request is released (a
+server going quiet keeps nothing back). A message per event cost the scheduler a ZMQ send
+each (the largest share of the tap in a py-spy profile of the scheduler), and so did a
+message per run of one kind (kinds alternate per request); the slot maps are NumPy arrays
+for the same reason (a torch op per allocation or free costs several microseconds of
+dispatch).
 """
 
 from __future__ import annotations
@@ -102,10 +106,23 @@ def _block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
 
 
 def _ids(slots: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Slot ids as a flat int64 NumPy array (a CPU tensor's memory is shared, not copied)."""
+    """Slot ids as a flat int64 NumPy array (a CPU tensor's memory is shared, not copied).
+    SGLang's slot tensors are CPU int64 without grad here: ``numpy()`` on them directly
+    (0.6 us; detach, reshape and cpu first cost 2.3 us on every allocation and free)."""
     if isinstance(slots, np.ndarray):
-        return slots.reshape(-1).astype(np.int64, copy=False)
-    return slots.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        arr = slots
+    else:
+        try:
+            arr = slots.numpy()
+        except (RuntimeError, TypeError):  # on a GPU, or needing grad
+            arr = slots.detach().cpu().numpy()
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+
+
+# What the tap's uniform sampler is shown for a hit it only counts down (see ``admitted``).
+_UNSAMPLED = Hit(tokens=[], hit_tokens=0, blocks={})
 
 
 class SglangTap:
@@ -168,16 +185,17 @@ class SglangTap:
         (a 500-token prompt ending in one new block: 43 -> 6 us)."""
         try:
             bs = self.block_size
-            n = min(len(token_ids), int(path_slots.numel())) // bs * bs
+            path = _ids(path_slots)  # NumPy: a torch index or slice costs ~1 us of dispatch
+            n = min(len(token_ids), int(path.size)) // bs * bs
             if n <= 0 or n <= prefix_len:
                 return
             first = prefix_len // bs * bs  # the first block ending past prefix_len
             digest: int | None = None
             if first:
-                digest = self._digests.get(int(path_slots[first - 1]))
+                digest = self._digests.get(int(path[first - 1]))
                 if digest is None:
                     first = 0  # the chain from the start
-            slots = path_slots[first:n].tolist()
+            slots = path[first:n].tolist()
             items = []
             for lo in range(first, n, bs):
                 block_tokens = [int(t) for t in token_ids[lo:lo + bs]]
@@ -197,7 +215,9 @@ class SglangTap:
     def admitted(self, rid: str, prompt: Sequence[int], hit_tokens: int,
                  prefix_slots: torch.Tensor, fields: dict[str, str]) -> None:
         """A request's first checkpoint (its prefill ran on ``hit_tokens`` cached tokens,
-        whose slots it still holds): one lookup, or a sampled capture."""
+        whose slots it still holds): one lookup, or a sampled capture. ``prefix_slots``:
+        the request's slots from its first token on (at least ``hit_tokens`` of them, on
+        the pool's device), read, and copied to the CPU, only for a sampled hit."""
         try:
             if rid in self._admitted:
                 return
@@ -206,14 +226,14 @@ class SglangTap:
             self._admitted[rid] = None
             bs = self.block_size
             n_full = min(hit_tokens, int(prefix_slots.numel())) // bs
-            slots = prefix_slots[:n_full * bs]
-            full = [int(s) for s in slots[bs - 1::bs].tolist()]
-            hit = Hit(tokens=list(prompt[:n_full * bs]), hit_tokens=n_full * bs,
-                      blocks={g.group.group_id: full for g in self.groups}, key_fields=fields)
-            if n_full > 0 and self.sampler.should_sample(hit):
+            # The sampler counts hits down without looking at them: the Hit (a copy of the
+            # prompt, every group's block ids) is built only for a sampled one.
+            if n_full > 0 and self.sampler.should_sample(_UNSAMPLED):
+                slots = prefix_slots[:n_full * bs].to("cpu", torch.int64)
                 group_slots = {g.group.group_id: self._group_slots(g, slots)
                                for g in self.groups}
-                hit = Hit(tokens=hit.tokens, hit_tokens=hit.hit_tokens, key_fields=fields,
+                hit = Hit(tokens=list(prompt[:n_full * bs]), hit_tokens=n_full * bs,
+                          key_fields=fields,
                           blocks={gid: _block_ids(gs, bs) for gid, gs in group_slots.items()})
                 refs = self.sampler.choose(hit, bs, self.blocks_per_sample, self.cache_groups)
                 by_id = {g.group.group_id: g for g in self.groups}
@@ -245,8 +265,7 @@ class SglangTap:
         try:
             self._admitted.pop(rid, None)
             if not self._admitted:
-                self.flush()
-                self.send_stats()
+                self.flush(stats=True)
         except Exception:
             self._failed("release")
 
@@ -270,14 +289,17 @@ class SglangTap:
         if self._waiting >= OUTBOX_ITEMS:
             self.flush()
 
-    def flush(self) -> None:
-        """Send what waits in the outbox, in order, a message per run of one kind."""
+    def flush(self, stats: bool = False) -> None:
+        """Send what waits in the outbox, in order, as one ``events`` message: its runs of
+        one kind each (``[[kind, fields], ...]``). Kinds alternate per request (a lookup,
+        its stores, its frees), so a message per run cost a pack and a ZMQ send per event,
+        ~6 us each on SGLang's thread. ``stats``: the tap's stats ride along, last."""
         box, self._outbox, self._waiting = self._outbox, [], 0
-        for kind, items in box:
-            if kind == "frees":
-                self.pipe.send_message(kind, ids=items)
-            else:
-                self.pipe.send_message(kind, items=items)
+        runs = [[kind, {"ids" if kind == "frees" else "items": items}] for kind, items in box]
+        if stats:
+            runs.append(["tap_stats", self._stats()])
+        if runs:
+            self.pipe.send_message("events", runs=runs)
 
     # ------------------------------------------------------------------ allocator events
     def allocated(self, slots: torch.Tensor | None) -> None:
@@ -341,7 +363,10 @@ class SglangTap:
             self._failed("census")
 
     def send_stats(self) -> None:
-        self.pipe.send_message("tap_stats", errors=self.errors, busy_ns=self.busy_ns)
+        self.pipe.send_message("tap_stats", **self._stats())
+
+    def _stats(self) -> dict[str, int]:
+        return {"errors": self.errors, "busy_ns": self.busy_ns}
 
     def _handed_out(self, held_back: torch.Tensor | None) -> np.ndarray:
         mask = self._allocated.copy()

@@ -13,7 +13,9 @@ What a drop loses is accounted by what it carried, because the sidecar reports e
   :data:`~sidecar.adapters.vllm.wire.MAX_LOOKUPS`, a bounded carry) and they ride with the
   next message; only what the carry cannot hold is lost, counted in ``lost_lookups``;
 * any **other** message (fingerprint counts, SGLang's frees and stores) counts in
-  ``lost_messages``.
+  ``lost_messages``; an ``events`` message (SGLang's tap: stores, frees and lookups in the
+  order they happened, one message per flush) keeps its lookups like a ``lookups`` one and
+  counts one lost message for the rest.
 
 The three counts are cumulative and ride on every message, so the sidecar learns of a loss
 from the next message that gets through (:class:`~sidecar.adapters.vllm.receiver.
@@ -86,6 +88,11 @@ class Pipe:
             # recompute, role "reference") never was.
             if fields.get("role", "hit") == "hit" and isinstance(q, int) and isinstance(h, int):
                 self._hold([[q, h]])
+        elif kind == "events":  # an ordered batch (SGLang's tap): its lookups are kept
+            runs = fields.get("runs", ())
+            self._hold([item for k, f in runs if k == "lookups" for item in f["items"]])
+            if any(k != "lookups" for k, _ in runs):
+                self.lost_messages += 1
         else:
             self.lost_messages += 1
 

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
 MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
+MAX_RUNS = 65_536  # runs in one events message (an outbox flushes at 64 items)
 # Drops all pipes together may report: far above what a probe can really drop (a message per
 # engine step, a few thousand steps a second), far below what a liar would claim.
 DROP_RATE_PER_S = 10_000
@@ -167,8 +168,10 @@ class ProbeReceiver:
             msg = unpack(data)
             self._account_drops(msg)
             kind = msg["kind"]
-            if kind == "lookups":
-                self.on_lookups(_lookups(msg.get("items", [])))
+            if kind == "events":
+                self._events(msg.get("runs"), msg.get("src"))
+            elif kind == "lookups":
+                self.on_lookups(decode_lookups(msg.get("items", [])))
             elif kind == "capture":
                 self._capture(decode_capture(msg))
             elif kind == "hello":
@@ -185,6 +188,25 @@ class ProbeReceiver:
             self.metrics.inc(S.HOOK_ERRORS, hook="vllm_probe_message")
             log.warning("bad kv-sidecar probe message skipped: %s: %s",
                         type(exc).__name__, exc)
+
+    def _events(self, runs: Any, src: Any) -> None:
+        """An ordered batch (SGLang's tap: its outbox in one message): ``[[kind, fields],
+        ...]``, each run handled as a message of that kind with those fields would be, sent
+        by the batch's ``src`` (lookups, or a kind of :attr:`handlers`; never a capture,
+        hello or nested batch). A bad run ends the batch, the runs before it applied, as a
+        bad item within a ``stores`` message does."""
+        if not isinstance(runs, list) or len(runs) > MAX_RUNS:
+            raise WireError("events is not a bounded list of runs")
+        for run in runs:
+            if not isinstance(run, list) or len(run) != 2 or not isinstance(run[1], dict):
+                raise WireError("an events run is not [kind, fields]")
+            kind, fields = run
+            if kind == "lookups":
+                self.on_lookups(decode_lookups(fields.get("items", [])))
+            elif isinstance(kind, str) and kind in self.handlers:
+                self.handlers[kind]({**fields, "src": src})
+            else:
+                raise WireError(f"an events run of kind {str(kind)[:40]!r}")
 
     def _capture(self, cap: Capture) -> None:
         if self.groups is not None and not (set(cap.blocks) <= self.groups and
@@ -237,7 +259,7 @@ _LOSSES: dict[str, tuple[S.Signal, dict[str, str]]] = {
 }
 
 
-def _lookups(items: Any) -> list[tuple[int, int]]:
+def decode_lookups(items: Any) -> list[tuple[int, int]]:
     if not isinstance(items, list) or len(items) > MAX_LOOKUPS:
         raise WireError("lookups is not a bounded list")
     out = []
