@@ -46,15 +46,24 @@ def test_runs_are_handled_in_order_as_their_own_messages() -> None:
     [["frees", {"ids": [3]}], ["capture", {}]],  # a capture never rides in a batch
     [["frees", {"ids": [3]}], ["events", {"runs": []}]],  # nor a nested batch
     [["frees", {"ids": [3]}], ["hello", {}]],
-    [["frees", {"ids": [3]}], ["lookups", {"items": [[1]]}]],  # a malformed lookup
+    [["frees", {"ids": [3]}], ["census", {}]],  # a census is checked alone
     [["frees", {"ids": [3]}], ["frees"]],  # not [kind, fields]
     [["frees", {"ids": [3]}], ["frees", [4]]],
     [["frees", {"ids": [3]}], [5, {}]],
+    [["lookups", {"items": [[1, 0]] * 40_000}]] * 7,  # 280k items: over the batch's cap
 ])
-def test_a_bad_run_ends_the_batch_after_what_came_before(runs: list[Any]) -> None:
+def test_a_batch_of_a_bad_shape_or_kind_is_refused_whole(runs: list[Any]) -> None:
     seen: list[tuple[str, Any]] = []
     rx = _receiver(seen)
     rx.handle(pack("events", runs=runs))
+    assert seen == [] and rx.bad_messages == 1 and rx.messages == 0
+
+
+def test_a_bad_item_ends_the_batch_after_what_came_before() -> None:
+    seen: list[tuple[str, Any]] = []
+    rx = _receiver(seen)
+    rx.handle(pack("events", runs=[["frees", {"ids": [3]}], ["lookups", {"items": [[1]]}],
+                                   ["frees", {"ids": [4]}]]))
     assert seen == [("frees", [3])] and rx.bad_messages == 1 and rx.messages == 0
 
 
@@ -134,11 +143,47 @@ def test_stats_in_a_batch_and_alone_count_once_per_tap() -> None:
 
     m = Metrics("sglang", "tiny")
     m.register(S.SGLANG_SIGNALS)
-    sc = SimpleNamespace(metrics=m, _taps={}, tap_errors=0, tap_seconds=0.0)
+    now = [0.0]
+    sc = SimpleNamespace(metrics=m, _taps={}, tap_errors=0, tap_seconds=0.0,
+                         _clock=lambda: now[0])
     rx = ProbeReceiver("ipc:///tmp/kvs-unused.sock", m, lambda items: None,
                        lambda cap: None,
                        handlers={"tap_stats": lambda f: SglangSidecar._on_tap_stats(sc, f)})
     rx.handle(pack("events", "tap-1", runs=[["tap_stats", {"errors": 0, "busy_ns": 10**9}]]))
+    now[0] += 10.0
     rx.handle(pack("tap_stats", "tap-1", errors=0, busy_ns=3 * 10**9))
+    now[0] += 10.0
     rx.handle(pack("events", "tap-1", runs=[["tap_stats", {"errors": 0, "busy_ns": 4 * 10**9}]]))
-    assert rx.bad_messages == 0 and sc.tap_seconds == pytest.approx(4.0)
+    # from the first stats on (the baseline), one tap: 3 s
+    assert rx.bad_messages == 0 and sc.tap_seconds == pytest.approx(3.0)
+
+
+def test_key_field_values_are_bounded_at_the_tap_and_checked_at_the_sidecar() -> None:
+    """A client chooses SGLang's extra_key: an outside check pinned 200 MB of the sidecar
+    with 20 MB keys in stores (captures refused them, so such a hit was never verified).
+    The tap sends a long value as its SHA-256; the sidecar holds stores to a capture's rule."""
+    from sidecar.adapters.sglang.tap import KEY_VALUE_CHARS
+    from sidecar.adapters.vllm.wire import WireError, decode_key_fields
+
+    short, long_a, long_b = "ns-1", "A" * 20_000_000, "A" * 19_999_999 + "B"
+    f = key_fields(short, None)
+    assert f == {"extra_key": "ns-1", "cache_salt": ""}
+    fa, fb = key_fields(long_a, None), key_fields(long_b, long_a)
+    assert fa["extra_key"].startswith("sha256:") and len(fa["extra_key"]) <= KEY_VALUE_CHARS
+    assert fa["extra_key"] != fb["extra_key"] and fa["extra_key"] == fb["cache_salt"]
+    assert decode_key_fields(fa) == fa
+    with pytest.raises(WireError):
+        decode_key_fields({"extra_key": "x" * 2000})
+
+
+def test_only_lookups_the_monitor_takes_count_toward_the_hit_audit() -> None:
+    """The audited count of hit tokens took lookups the Monitor refused (hit > query,
+    2**62 tokens): an outside check drove it past 2**63."""
+    from types import SimpleNamespace
+
+    from sidecar.adapters.sglang.service import SglangSidecar
+
+    taken: list[Any] = []
+    sc = SimpleNamespace(counted_hit_tokens=0, monitor=SimpleNamespace(on_lookup=taken.append))
+    SglangSidecar._on_lookups(sc, [(3, 99), (10, 2**62), (20, 16), (-1, 0), (8, 8)])
+    assert sc.counted_hit_tokens == 24 and len(taken) == 5  # the Monitor counts its refusals

@@ -192,8 +192,10 @@ def test_engine_args_name_the_backend_and_the_tap_config(capsys: pytest.CaptureF
 
 
 def test_tap_stats_move_the_counters_by_what_grew_per_tap() -> None:
-    """Each SGLang process's tap reports cumulative counts; the sidecar adds what grew, per
-    sender, and a tap that restarted (its count went back) starts again from 0."""
+    """Each tap reports cumulative counts; the sidecar adds what grew, per sender: errors
+    from 0 (a restarted tap, its count went back, from 0 again), the time from the tap's
+    first stats on and never faster than wall time (an outside check drove it to 438 years
+    by lowering and raising one sender's count, and by rotating senders)."""
     from types import SimpleNamespace
 
     from sidecar import signals as S
@@ -203,23 +205,41 @@ def test_tap_stats_move_the_counters_by_what_grew_per_tap() -> None:
 
     m = Metrics("sglang", "tiny")
     m.register(S.SGLANG_SIGNALS)
-    sc = SimpleNamespace(metrics=m, _taps={}, tap_errors=0, tap_seconds=0.0)
+    now = [100.0]
+    sc = SimpleNamespace(metrics=m, _taps={}, tap_errors=0, tap_seconds=0.0,
+                         _clock=lambda: now[0])
 
-    def stats(src: str, errors: int, busy_ns: int) -> None:
+    def stats(src: str, errors: int, busy_ns: int, after_s: float = 0.0) -> None:
+        now[0] += after_s
         SglangSidecar._on_tap_stats(sc, {"src": src, "errors": errors, "busy_ns": busy_ns})
 
-    stats("a", 0, 2_000_000_000)
-    stats("a", 1, 3_000_000_000)
-    stats("b", 2, 500_000_000)  # a second scheduler process
-    stats("a", 0, 250_000_000)  # tap a restarted: counts from 0 again
-    assert sc.tap_seconds == pytest.approx(3.0 + 0.5 + 0.25)
-    assert m.value(S.SGLANG_TAP_SECONDS.name) == pytest.approx(3.75)
+    stats("a", 0, 2_000_000_000)  # the baseline: time before it is not credited
+    stats("a", 1, 3_000_000_000, after_s=5.0)  # +1 s in 5 s of wall time
+    stats("b", 2, 500_000_000)  # a second scheduler process: its baseline, its errors
+    stats("a", 0, 250_000_000, after_s=1.0)  # tap a's counts went back: a new baseline
+    stats("a", 0, 1_250_000_000, after_s=2.0)  # +1 s in 2 s
+    assert sc.tap_seconds == pytest.approx(2.0)
+    assert m.value(S.SGLANG_TAP_SECONDS.name) == pytest.approx(2.0)
     assert sc.tap_errors == 3 and m.value(S.HOOK_ERRORS.name, hook="sglang_tap") == 3
+    # Not faster than wall time: a jump of a day after 2 s credits 2 s now, the rest as
+    # wall time passes (a burst of queued stats is not lost, just spread).
+    stats("a", 0, 1_250_000_000 + 86_400 * 10**9, after_s=2.0)
+    assert sc.tap_seconds == pytest.approx(4.0)
+    stats("a", 0, 1_250_000_000 + 86_400 * 10**9, after_s=3.0)
+    assert sc.tap_seconds == pytest.approx(7.0)
+    # Lowering and raising a count, or new senders, credit nothing at once.
+    before = sc.tap_seconds
+    for i in range(100):
+        stats("a", 0, 0)
+        stats("a", 0, 2**62 - 1)
+        stats(f"rotated-{i}", 0, 2**62 - 1)
+    assert sc.tap_seconds == pytest.approx(before)
     for bad in ({"errors": -1, "busy_ns": 0}, {"errors": 0, "busy_ns": 1.5},
                 {"errors": True, "busy_ns": 0}, {"errors": 0}):
         with pytest.raises(WireError):
             SglangSidecar._on_tap_stats(sc, {"src": "a", **bad})
-    assert sc.tap_seconds == pytest.approx(3.75)  # refused messages change nothing
+    assert sc.tap_seconds == pytest.approx(before)  # refused messages change nothing
+    assert len(sc._taps) <= 64
 
 
 def test_metrics_parse_reads_only_its_series_lines() -> None:

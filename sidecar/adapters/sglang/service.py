@@ -34,8 +34,9 @@ from sidecar.adapters.vllm.adapter import (
     hello_mismatches,
 )
 from sidecar.adapters.vllm.receiver import ProbeReceiver
-from sidecar.adapters.vllm.wire import Capture, WireError
+from sidecar.adapters.vllm.wire import Capture, WireError, decode_key_fields
 from sidecar.checks.verifier import Verdict
+from sidecar.core.hook_input import check_lookup
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import (
     AdapterError,
@@ -142,7 +143,9 @@ class SglangSidecar:
         self.counted_hit_tokens = 0
         self.tap_errors = 0  # the taps' own errors and time on SGLang's thread, summed
         self.tap_seconds = 0.0
-        self._taps: dict[str, tuple[int, int]] = {}  # src -> (errors, busy_ns) last reported
+        self._clock = time.monotonic  # when a tap's stats arrive (tests set their own)
+        # src -> (errors, busy_ns credited, when): see _on_tap_stats
+        self._taps: dict[str, tuple[int, int, float]] = {}
         self.census_checks = 0
         self.freed_blocks = 0  # stored blocks the tap saw freed (evicted)
         self.engine_mismatches: list[str] = []
@@ -175,8 +178,10 @@ class SglangSidecar:
     # ------------------------------------------------------------------ tap messages
     def _on_lookups(self, items: list[tuple[int, int]]) -> None:
         for q, h in items:
-            self.counted_hit_tokens += max(h, 0)
-            self.monitor.on_lookup(Lookup(q, h))
+            lookup = Lookup(q, h)
+            if check_lookup(lookup) is None:  # what the Monitor refuses is no hit either
+                self.counted_hit_tokens += h
+            self.monitor.on_lookup(lookup)
 
     def _on_capture(self, cap: Capture) -> None:
         lookup, blocks = captured_hit(cap)
@@ -191,12 +196,10 @@ class SglangSidecar:
             if not isinstance(item, list) or len(item) != 5:
                 raise WireError("a store is not [block, prefix, tokens, digest, fields]")
             block_id, lo, tokens, digest, fields = item
-            if not isinstance(fields, dict):
-                raise WireError("store key fields are not a map")
             self.monitor.on_store(StoredBlock(
                 self.full_group, block_id, 0,
                 tuple(tokens) if isinstance(tokens, list) else tokens, lo,
-                {str(k): str(v) for k, v in list(fields.items())[:16]},
+                decode_key_fields(fields),  # a capture's rule: a small map of short strings
                 prefix_digest=digest))
 
     def _on_frees(self, msg: dict[str, Any]) -> None:
@@ -220,23 +223,34 @@ class SglangSidecar:
 
     def _on_tap_stats(self, msg: dict[str, Any]) -> None:
         """A tap's cumulative error count and time on SGLang's thread, per sending tap
-        (``src``: each SGLang process has its own): the counters move by what grew, and a
-        count that went back (a restarted tap) starts that tap again from 0. Bounded: one
-        entry per tap process, the oldest forgotten past 64."""
+        (``src``: each tap instance has its own, at random). Errors move by what grew (a
+        count that went back, a restarted tap, from 0 again). The time is a cost figure a
+        peer on the probe socket must not be able to inflate: the first stats of a tap set
+        its baseline, a count that went back sets it again, and what grew is credited at
+        most as fast as wall time passes (one thread cannot spend more; what a burst of
+        queued messages could not credit yet is credited by the next ones). Replaying,
+        lowering and raising a count, or rotating senders, gains nothing past that. Bounded:
+        one entry per tap, the oldest forgotten past 64."""
         errors, busy_ns, src = msg.get("errors"), msg.get("busy_ns"), str(msg.get("src"))
         if not (type(errors) is int and type(busy_ns) is int and 0 <= errors < 1 << 62
                 and 0 <= busy_ns < 1 << 62):
             raise WireError("tap_stats: errors and busy_ns must be ints in [0, 2**62)")
-        last_errors, last_ns = self._taps.pop(src, (0, 0))
-        if errors < last_errors or busy_ns < last_ns:
-            last_errors, last_ns = 0, 0
+        now = self._clock()
+        last = self._taps.pop(src, None)
+        last_errors, credited, since = (0, busy_ns, now) if last is None else last
+        if errors < last_errors:
+            last_errors = 0
         if errors > last_errors:
             self.metrics.inc(S.HOOK_ERRORS, errors - last_errors, hook="sglang_tap")
             self.tap_errors += errors - last_errors
-        if busy_ns > last_ns:
-            self.metrics.inc(S.SGLANG_TAP_SECONDS, (busy_ns - last_ns) / 1e9)
-            self.tap_seconds += (busy_ns - last_ns) / 1e9
-        self._taps[src] = (errors, busy_ns)
+        if busy_ns < credited:
+            credited = busy_ns
+        grant = min(busy_ns - credited, int((now - since) * 1e9))
+        if grant > 0:
+            self.metrics.inc(S.SGLANG_TAP_SECONDS, grant / 1e9)
+            self.tap_seconds += grant / 1e9
+            credited += grant
+        self._taps[src] = (errors, credited, now)
         while len(self._taps) > 64:
             self._taps.pop(next(iter(self._taps)))
 

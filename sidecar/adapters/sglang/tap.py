@@ -39,6 +39,7 @@ dispatch).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -84,8 +85,21 @@ class PoolGroup:
 
 
 def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
-    """The request's own values of what SGLang's radix key namespaces by."""
-    return {"extra_key": str(extra_key or ""), "cache_salt": str(cache_salt or "")}
+    """The request's own values of what SGLang's radix key namespaces by, each bounded: a
+    value longer than :data:`KEY_VALUE_CHARS` (a client chooses ``extra_key``) is sent as
+    its SHA-256, so stores and captures stay small and compare equal exactly when the
+    values do."""
+    return {"extra_key": _bounded(str(extra_key or "")),
+            "cache_salt": _bounded(str(cache_salt or ""))}
+
+
+KEY_VALUE_CHARS = 256
+
+
+def _bounded(value: str) -> str:
+    if len(value) <= KEY_VALUE_CHARS:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def bitmap(slots: torch.Tensor | np.ndarray, size: int) -> bytes:

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 MAX_SOURCES = 64  # pipes tracked for drop accounting (two per probe worker)
 MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two messages
 MAX_RUNS = 65_536  # runs in one events message (an outbox flushes at 64 items)
+MAX_EVENT_ITEMS = 1 << 18  # stores, frees and lookups in one (a cache flush frees
+# every stored block at once: 62k of a 1M-slot pool)
+BATCHED_KINDS = frozenset({"lookups", "stores", "frees", "tap_stats"})
 # Drops all pipes together may report: far above what a probe can really drop (a message per
 # engine step, a few thousand steps a second), far below what a liar would claim.
 DROP_RATE_PER_S = 10_000
@@ -192,21 +195,31 @@ class ProbeReceiver:
     def _events(self, runs: Any, src: Any) -> None:
         """An ordered batch (SGLang's tap: its outbox in one message): ``[[kind, fields],
         ...]``, each run handled as a message of that kind with those fields would be, sent
-        by the batch's ``src`` (lookups, or a kind of :attr:`handlers`; never a capture,
-        hello or nested batch). A bad run ends the batch, the runs before it applied, as a
-        bad item within a ``stores`` message does."""
+        by the batch's ``src``; kinds of :data:`BATCHED_KINDS` only (never a capture,
+        hello, census or nested batch). Checked whole first (shapes, kinds, at most
+        :data:`MAX_EVENT_ITEMS` items in all: the per-kind caps hold per run, and an outside
+        check applied 10M lookups from one 30 MB batch for 40 s); then a bad run's items
+        end the batch, the runs before it applied, as a bad item within a ``stores``
+        message does."""
         if not isinstance(runs, list) or len(runs) > MAX_RUNS:
             raise WireError("events is not a bounded list of runs")
+        items = 0
         for run in runs:
             if not isinstance(run, list) or len(run) != 2 or not isinstance(run[1], dict):
                 raise WireError("an events run is not [kind, fields]")
-            kind, fields = run
+            if run[0] not in BATCHED_KINDS:
+                raise WireError(f"an events run of kind {str(run[0])[:40]!r}")
+            listed = run[1].get("ids" if run[0] == "frees" else "items")
+            items += len(listed) if isinstance(listed, list) else 0
+        if items > MAX_EVENT_ITEMS:
+            raise WireError(f"events carries {items} items, over {MAX_EVENT_ITEMS}")
+        for kind, fields in runs:
             if kind == "lookups":
                 self.on_lookups(decode_lookups(fields.get("items", [])))
-            elif isinstance(kind, str) and kind in self.handlers:
+            elif kind in self.handlers:
                 self.handlers[kind]({**fields, "src": src})
             else:
-                raise WireError(f"an events run of kind {str(kind)[:40]!r}")
+                raise WireError(f"an events run of kind {kind!r}: no handler here")
 
     def _capture(self, cap: Capture) -> None:
         if self.groups is not None and not (set(cap.blocks) <= self.groups and

@@ -221,7 +221,7 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
         kv[(gi, ii)] = (tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
                    _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv,
-                   _key_fields(msg.get("key_fields")), _writes(msg.get("writes"), kv))
+                   decode_key_fields(msg.get("key_fields")), _writes(msg.get("writes"), kv))
 
 
 def _writes(raw: Any, kv: Mapping[tuple[int, int], Any]) -> dict[tuple[int, int], BlockWrite]:
@@ -264,14 +264,16 @@ def decode_fingerprint_counts(msg: Mapping[str, Any]) -> tuple[list[tuple[int, s
 
 
 MAX_KEY_FIELDS = 16
+MAX_KEY_FIELD_VALUE = 1024  # characters; a tap sends a digest of a longer value
 
 
-def _key_fields(raw: Any) -> dict[str, str]:
-    """An optional capture's ``key_fields``: a small map of short strings."""
+def decode_key_fields(raw: Any) -> dict[str, str]:
+    """An optional ``key_fields`` (a capture's, an SGLang store's): a small map of short
+    strings."""
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > MAX_KEY_FIELDS or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 1024
-            for k, v in raw.items()):
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64
+            and len(v) <= MAX_KEY_FIELD_VALUE for k, v in raw.items()):
         raise WireError("key_fields is not a small map of short strings")
     return dict(raw)
