@@ -182,3 +182,17 @@ def test_host_kernels_name_amx_only_where_onednn_may_use_it(
         assert host_kernels().endswith("+amx") is (has_amx and amx_allowed)
     finally:
         host_kernels.cache_clear()
+
+
+def test_a_profile_over_few_blocks_is_not_trusted_exact_or_near_exact() -> None:
+    """An entry a hand wrote with a floor of 1e-30 over one block made AMX's rare
+    re-roundings alarms (an outside check): exactness and near-exactness need the floor
+    measured over TRUSTED_BLOCKS clean blocks; below, the minimum holds."""
+    from sidecar.checks.calibration_profile import TRUSTED_BLOCKS
+
+    for floor in (0.0, 1e-30):
+        few = Profile((ProfileEntry(model="m", dtype="bfloat16", reference="engine",
+                                    write_path="prefill", floor=floor, tolerance=0.0625,
+                                    blocks=TRUSTED_BLOCKS - 1, kernels=host_kernels()),))
+        cal = _calibration(few)
+        assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")

@@ -84,6 +84,17 @@ def test_profile_round_trips_atomically(tmp_path: Path) -> None:
     (_doc(colour="red"), "unknown fields"),
     (json.dumps({"format": PROFILE_FORMAT, "entries": [{"model": "m"}]}).encode(), "missing"),
     (json.dumps({"format": PROFILE_FORMAT, "entries": [ENTRY, ENTRY]}).encode(), "repeats"),
+    # an outside check: each of these loaded, and a repeated key emptied the profile
+    (_doc(tolerance=2.0), "between the floor"),
+    (_doc(floor=0.008, tolerance=0.001), "between the floor"),
+    (_doc(multiple=1e300), "multiple must be at most"),
+    (_doc(blocks=10**40), "blocks must be in"),
+    (_doc(kernels="cpu:avx512\n+amx"), "control character"),
+    (_doc(model="tiny\x1b[31m"), "control character"),
+    (_doc()[:-1] + b', "entries": []}', "given twice"),
+    (json.dumps({"format": PROFILE_FORMAT, "entries": [
+        ENTRY, {k: v for k, v in ENTRY.items() if k != "write_path"}]}).encode(),
+     r"repeats entry 0.*does not give .*write_path"),
     (b" " * (MAX_PROFILE_BYTES + 1), "limit"),
     (b"[" * 100_000, "not JSON"),
 ])

@@ -57,7 +57,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import signals as S
-from sidecar.checks.calibration_profile import Profile, ProfileEntry, load_profile
+from sidecar.checks.calibration_profile import (
+    Profile,
+    ProfileEntry,
+    host_kernels,
+    load_profile,
+)
 from sidecar.checks.tolerance import (
     DEFAULT_CALIBRATION_SAMPLES,
     min_tolerance,
@@ -119,10 +124,13 @@ def calibration_config(sidecar: Any) -> CalibrationConfig:
     ``calibration_multiple``, ``calibration_profile``: the file is read and checked here,
     so a bad profile stops the sidecar at start with the file and field named)."""
     path = getattr(sidecar, "calibration_profile", None)
+    profile = load_profile(path) if path else None
+    if profile is not None:  # which of its measurements apply here depends on this
+        log.info("kv-sidecar: calibration profile %s, %d entries; this process's kernels: "
+                 "%s", path, len(profile.entries), host_kernels())
     return CalibrationConfig(samples=sidecar.calibration_samples,
                              multiple=sidecar.calibration_multiple,
-                             overrides=dict(sidecar.tolerances),
-                             profile=load_profile(path) if path else None)
+                             overrides=dict(sidecar.tolerances), profile=profile)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,13 @@ PROFILE_FORMAT = "kv-sidecar-calibration/1"
 MAX_PROFILE_BYTES = 1 << 20  # a profile of a few hundred entries is ~100 KiB
 MAX_ENTRIES = 4096
 MAX_NAME = 256  # characters of an engine or model name
+MAX_MULTIPLE = 1000.0
+MAX_BLOCKS = 1 << 53
+# Clean blocks an entry must be measured over for its exactness (floor 0) or near-exactness
+# to be trusted from the first block: `kv-sidecar calibrate` writes entries from 64 blocks
+# on, and an entry a hand wrote with a floor of 1e-30 over one block turned AMX's rare
+# re-roundings into alarms (an outside check).
+TRUSTED_BLOCKS = 1000
 WRITE_PATHS = tuple(p.value for p in WritePath)  # the one list: core.protocol
 
 
@@ -83,14 +90,17 @@ class ProfileEntry:
 
     @property
     def measured_here(self) -> bool:
-        """Measured on the kernels this process runs on (:func:`host_kernels`)."""
-        return self.kernels == host_kernels()
+        """Measured on the kernels this process runs on (:func:`host_kernels`), over
+        enough blocks (:data:`TRUSTED_BLOCKS`) for its floor to be trusted from the start."""
+        return self.kernels == host_kernels() and self.blocks >= TRUSTED_BLOCKS
 
     @property
     def exact_here(self) -> bool:
-        """A floor of exactly 0, measured on the kernels this process runs on (or not saying
-        on which: an entry written before ``kernels`` existed is trusted as it was)."""
-        return self.floor == 0.0 and (self.measured_here or not self.kernels)
+        """A floor of exactly 0 over :data:`TRUSTED_BLOCKS` blocks or more, measured on the
+        kernels this process runs on (or not saying on which: an entry written before
+        ``kernels`` existed is trusted as it was)."""
+        return self.floor == 0.0 and self.blocks >= TRUSTED_BLOCKS and (
+            self.measured_here or not self.kernels)
 
     @property
     def key(self) -> tuple[str, str, str | None, str, str]:
@@ -155,7 +165,8 @@ def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
         raise ProfileError(f"calibration profile {source}: {len(data)} bytes, over the "
                            f"{MAX_PROFILE_BYTES}-byte limit")
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                         object_pairs_hook=_no_repeated_keys)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
         raise ProfileError(f"calibration profile {source}: not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
@@ -170,14 +181,30 @@ def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
     if len(raw) > MAX_ENTRIES:
         raise ProfileError(f"calibration profile {source}: {len(raw)} entries, over "
                            f"{MAX_ENTRIES}")
-    entries: dict[tuple[str, str, str | None, str, str, str], ProfileEntry] = {}
+    entries: dict[tuple[str, str, str | None, str, str, str], tuple[int, ProfileEntry]] = {}
     for i, item in enumerate(raw):
         entry = _entry(item, f"calibration profile {source}: entry {i}")
         if entry.slot in entries:
-            raise ProfileError(f"calibration profile {source}: entry {i} repeats "
-                               f"{entry.slot}")
-        entries[entry.slot] = entry
-    return Profile(tuple(entries.values()), source)
+            unsaid = [f for f in ("kernels", "write_path", "kv_storage", "engine")
+                      if f not in item]
+            hint = f" (it does not give {', '.join(unsaid)}: the default is taken)" \
+                if unsaid else ""
+            raise ProfileError(f"calibration profile {source}: entry {i} repeats entry "
+                               f"{entries[entry.slot][0]}: the same model, dtype, KV "
+                               f"storage, reference, write path and kernels{hint}")
+        entries[entry.slot] = (i, entry)
+    return Profile(tuple(e for _, e in entries.values()), source)
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is refused (json keeps the last silently: a second
+    ``"entries": []`` emptied a whole profile)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:40]!r} given twice in one object")
+        out[key] = value
+    return out
 
 
 def _no_constant(name: str) -> Any:
@@ -225,8 +252,18 @@ def _entry(item: Any, where: str) -> ProfileEntry:
     if not (math.isfinite(entry.multiple) and entry.multiple >= 1):
         raise ProfileError(f"{where}: multiple must be a finite number >= 1, "
                            f"got {entry.multiple}")
-    if entry.blocks < 1:
-        raise ProfileError(f"{where}: blocks must be >= 1, got {entry.blocks}")
+    if entry.tolerance > 1.0 or entry.tolerance < entry.floor:
+        raise ProfileError(f"{where}: tolerance must be between the floor ({entry.floor}) "
+                           f"and 1, got {entry.tolerance}: a trusted run's tolerance is "
+                           "never under the largest clean error it saw")
+    if entry.multiple > MAX_MULTIPLE:
+        raise ProfileError(f"{where}: multiple must be at most {MAX_MULTIPLE}, got "
+                           f"{entry.multiple}")
+    if not 1 <= entry.blocks <= MAX_BLOCKS:
+        raise ProfileError(f"{where}: blocks must be in 1..{MAX_BLOCKS}, got {entry.blocks}")
+    for name in ("model", "engine", "kernels"):
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in getattr(entry, name)):
+            raise ProfileError(f"{where}: {name} has a control character")
     return entry
 
 
