@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sidecar.adapters.vllm.endpoints import check_peer_endpoint
+from sidecar.config.toml_file import json_object_once
 
 # key -> (int or float, lowest, highest, default); a default of None means "computed by the
 # probe" (the key may be left out, or given in range).
@@ -73,16 +74,8 @@ def check_settings(raw: Any, keys: Mapping[str, Setting], where: str) -> dict[st
 def parse_settings(text: str, where: str) -> Any:
     """JSON ``text`` as written into an engine's environment: a key given twice, nesting too
     deep or a number too long is a ValueError naming ``where`` (never a RecursionError)."""
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise ValueError(f"key {_shown(k)} given twice")
-            seen[k] = v
-        return seen
-
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates)
+        return json.loads(text, object_pairs_hook=json_object_once)
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{where} is not JSON: {str(exc)[:120] or 'nested too deep'}") \
             from None

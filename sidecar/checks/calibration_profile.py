@@ -51,7 +51,12 @@ from sidecar.checks.tolerance import (
     TOLERANCES,
     min_tolerance,
 )
-from sidecar.config.toml_file import FileMissing, FileProblem, read_small_file
+from sidecar.config.toml_file import (
+    FileMissing,
+    FileProblem,
+    json_object_once,
+    read_small_file,
+)
 from sidecar.core.protocol import WritePath
 
 PROFILE_FORMAT = "kv-sidecar-calibration/1"
@@ -166,7 +171,7 @@ def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
                            f"{MAX_PROFILE_BYTES}-byte limit")
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
-                         object_pairs_hook=_no_repeated_keys)
+                         object_pairs_hook=json_object_once)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
         raise ProfileError(f"calibration profile {source}: not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
@@ -194,17 +199,6 @@ def parse_profile(data: bytes, source: str = "<profile>") -> Profile:
                                f"storage, reference, write path and kernels{hint}")
         entries[entry.slot] = (i, entry)
     return Profile(tuple(e for _, e in entries.values()), source)
-
-
-def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object; a key given twice is refused (json keeps the last silently: a second
-    ``"entries": []`` emptied a whole profile)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key[:40]!r} given twice in one object")
-        out[key] = value
-    return out
 
 
 def _no_constant(name: str) -> Any:

@@ -81,6 +81,20 @@ def read_small_file(path: str | os.PathLike[str], what: str, max_bytes: int) -> 
     return data
 
 
+def json_object_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` for files and settings read from outside: a
+    key given twice is a ValueError (json keeps the last silently: a second ``"entries":
+    []`` emptied a whole calibration profile)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            shown = repr(key)
+            raise ValueError(f"key {shown if len(shown) <= 60 else shown[:57] + '...'} "
+                             "given twice")
+        out[key] = value
+    return out
+
+
 def parse_toml(text: str, where: str) -> dict[str, Any]:
     """``tomllib.loads(text)`` for hostile text; :class:`FileProblem` ("<where> is not valid
     TOML: ...") for anything it refuses, however it refuses it."""

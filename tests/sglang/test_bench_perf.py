@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_bench_rows import split_thread_rows
 from tests.sglang.conftest import MEASUREMENTS
 
 pytestmark = pytest.mark.sglang
@@ -39,16 +40,7 @@ def test_quick_json_structure() -> None:
     out = json.loads(proc.stdout)
     assert out["settings"]["engine"] == "sglang" and out["settings"]["pairs"] == 2
     assert out["settings"]["sample_every"] == [100] and out["settings"]["canary"] is False
-    rows = out["rows"]
-    threads = [r for r in rows if " thread '" in r["figure"]]
-    rows = [r for r in rows if r not in threads]
-    # Where the engine's CPU went, per thread: the threads that grew most, by name.
-    assert 1 <= len(threads) <= 3
-    for r in threads:
-        assert r["figure"].rsplit(": ", 1)[1].startswith("SGLang thread '"), r
-        assert math.isfinite(r["sidecar"]) and math.isfinite(r["baseline"]), r
-        assert r["sidecar"] > 0 or r["baseline"] > 0, r
-        assert r["spread"].endswith(" us/request"), r
+    rows = split_thread_rows(out["rows"], "SGLang")
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
