@@ -66,10 +66,12 @@ MAX_NAME = 256  # characters of an engine or model name
 MAX_MULTIPLE = 1000.0
 MAX_BLOCKS = 1 << 53
 # Clean blocks an entry must be measured over for its exactness (floor 0) or near-exactness
-# to be trusted from the first block: `kv-sidecar calibrate` writes entries from 64 blocks
-# on, and an entry a hand wrote with a floor of 1e-30 over one block turned AMX's rare
-# re-roundings into alarms (an outside check).
-TRUSTED_BLOCKS = 1000
+# to be trusted from the first block: four times the window a sidecar learns from by
+# default (64), under what a trusted vLLM run gives (299-480 prefill blocks per model) and
+# the reference engines' shipped entries (1,694-1,921). `kv-sidecar calibrate` writes
+# entries from 64 blocks on, and an entry a hand wrote with a floor of 1e-30 over one block
+# turned AMX's rare re-roundings into alarms (an outside check).
+TRUSTED_BLOCKS = 256
 WRITE_PATHS = tuple(p.value for p in WritePath)  # the one list: core.protocol
 
 
