@@ -196,3 +196,22 @@ def test_a_profile_over_few_blocks_is_not_trusted_exact_or_near_exact() -> None:
                                     blocks=TRUSTED_BLOCKS - 1, kernels=host_kernels()),))
         cal = _calibration(few)
         assert cal.tolerance("engine", "prefill") == min_tolerance("bfloat16")
+
+
+def test_calibrate_says_which_compare_an_exact_path_entry_gives_and_cautions() -> None:
+    """What `kv-sidecar calibrate` prints per entry: the compare in force on an exact path,
+    and a caution for a floor of 0 over fewer than EXACT_EVIDENCE_BLOCKS blocks (with AMX,
+    120 requests measured 0 over 1,004 prefill blocks where 130 found 0.008; the profile
+    then gave 7 false alarms in 5,238 clean blocks: an outside check)."""
+    from sidecar.checks.calibration_profile import EXACT_EVIDENCE_BLOCKS, TRUSTED_BLOCKS
+
+    def line(floor: float, blocks: int, path: str = "prefill") -> str:
+        return ProfileEntry(model="m", dtype="bfloat16", reference="engine", floor=floor,
+                            tolerance=max(0.0625, 3 * floor), blocks=blocks, multiple=3.0,
+                            write_path=path).describe()
+
+    assert "bit for bit" in line(0.0, 1004) and "caution" in line(0.0, 1004)
+    assert "caution" not in line(0.0, EXACT_EVIDENCE_BLOCKS)
+    assert "not trusted exact" in line(0.0, TRUSTED_BLOCKS - 1)
+    assert "near-exactly at 0.0241" in line(0.00805, 1694)
+    assert "(" not in line(0.026, 1921) and "(" not in line(0.0, 5000, "decode")

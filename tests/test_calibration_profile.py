@@ -89,8 +89,9 @@ def test_profile_round_trips_atomically(tmp_path: Path) -> None:
     (_doc(floor=0.008, tolerance=0.001), "between the floor"),
     (_doc(multiple=1e300), "multiple must be at most"),
     (_doc(blocks=10**40), "blocks must be in"),
-    (_doc(kernels="cpu:avx512\n+amx"), "control character"),
-    (_doc(model="tiny\x1b[31m"), "control character"),
+    (_doc(kernels="cpu:avx512\n+amx"), "control or format character"),
+    (_doc(model="tiny\x1b[31m"), "control or format character"),
+    (_doc(kernels="cpu:avx512+amx\u202e"), "format character"),
     (_doc()[:-1] + b', "entries": []}', "given twice"),
     (json.dumps({"format": PROFILE_FORMAT, "entries": [
         ENTRY, {k: v for k, v in ENTRY.items() if k != "write_path"}]}).encode(),

@@ -58,6 +58,7 @@ from typing import Any
 
 from sidecar import signals as S
 from sidecar.checks.calibration_profile import (
+    EXACT_PATHS,
     Profile,
     ProfileEntry,
     host_kernels,
@@ -75,10 +76,6 @@ from sidecar.core.protocol import WritePath
 log = logging.getLogger(__name__)
 
 MIN_DRIFT_ERRORS = 16  # errors a drift quantile needs before it is reported
-# (reference kind, write path) pairs whose clean floor may be exactly 0: the engine's own
-# salted prefill against a block a prefill wrote (same kernels, same batch shape on CPU).
-# A decode-written block is recomputed by a prefill: different kernels, never exact.
-EXACT_PATHS = frozenset({("engine", WritePath.PREFILL.value)})
 DEFAULT_SAMPLES = DEFAULT_CALIBRATION_SAMPLES  # SidecarConfig.calibration_samples's default
 
 

@@ -39,6 +39,7 @@ import math
 import os
 import stat
 import tempfile
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -63,6 +64,14 @@ PROFILE_FORMAT = "kv-sidecar-calibration/1"
 MAX_PROFILE_BYTES = 1 << 20  # a profile of a few hundred entries is ~100 KiB
 MAX_ENTRIES = 4096
 MAX_NAME = 256  # characters of an engine or model name
+# (reference kind, write path) pairs whose clean floor may be exactly 0: the engine's own
+# salted prefill against a block a prefill wrote (same kernels, same batch shape on CPU).
+# A decode-written block is recomputed by a prefill: different kernels, never exact.
+EXACT_PATHS = frozenset({("engine", WritePath.PREFILL.value)})
+# Blocks a floor of exactly 0 should be measured over before it is relied on: with AMX the
+# reference engine's bf16 prefills differ in about 1 of 700 blocks, and a calibration of
+# 120 requests (1,004 prefill blocks) measured 0 where 130 found 0.008 (an outside check).
+EXACT_EVIDENCE_BLOCKS = 2000
 MAX_MULTIPLE = 1000.0
 MAX_BLOCKS = 1 << 53
 # Clean blocks an entry must be measured over for its exactness (floor 0) or near-exactness
@@ -121,10 +130,27 @@ class ProfileEntry:
 
     def describe(self) -> str:
         """One line for a person: what was measured, over how much, and what it gives (the
-        line `kv-sidecar calibrate` and `vllm serve --write-profile` print per entry)."""
-        return (f"{self.model} {self.dtype} {self.reference} {self.write_path}: floor "
+        line `kv-sidecar calibrate` and `vllm serve --write-profile` print per entry): on
+        an exact path, the compare in force on these kernels (exact, or near-exact at
+        ``multiple`` x floor), and a caution where a floor of 0 rests on fewer than
+        :data:`EXACT_EVIDENCE_BLOCKS` blocks."""
+        line = (f"{self.model} {self.dtype} {self.reference} {self.write_path}: floor "
                 f"{self.floor:.3g} over {self.blocks} clean blocks -> tolerance "
                 f"{self.tolerance:.3g}")
+        if (self.reference, self.write_path) not in EXACT_PATHS:
+            return line
+        if self.blocks < TRUSTED_BLOCKS:
+            return line + f" (not trusted exact: under {TRUSTED_BLOCKS} blocks)"
+        if self.floor == 0.0:
+            line += " (compared bit for bit on these kernels"
+            if self.blocks < EXACT_EVIDENCE_BLOCKS:
+                line += (f"; caution: exact over only {self.blocks} blocks, with AMX a "
+                         "prefill re-rounds about 1 block in 700: measure over "
+                         f"{EXACT_EVIDENCE_BLOCKS}+ before relying on it")
+            return line + ")"
+        if self.multiple * self.floor < self.tolerance:
+            line += f" (compared near-exactly at {self.multiple * self.floor:.3g} here)"
+        return line
 
 
 @dataclass(frozen=True)
@@ -258,8 +284,10 @@ def _entry(item: Any, where: str) -> ProfileEntry:
     if not 1 <= entry.blocks <= MAX_BLOCKS:
         raise ProfileError(f"{where}: blocks must be in 1..{MAX_BLOCKS}, got {entry.blocks}")
     for name in ("model", "engine", "kernels"):
-        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in getattr(entry, name)):
-            raise ProfileError(f"{where}: {name} has a control character")
+        # control and format characters (bidi overrides, zero-width): a name is shown in
+        # logs and compared as written
+        if any(unicodedata.category(c) in ("Cc", "Cf") for c in getattr(entry, name)):
+            raise ProfileError(f"{where}: {name} has a control or format character")
     return entry
 
 
