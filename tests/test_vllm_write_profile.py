@@ -22,9 +22,9 @@ from sidecar.checks.calibration_profile import (
     ProfileEntry,
     ProfileError,
     load_profile,
-    profile_to_extend,
     save_profile,
 )
+from sidecar.checks.calibration_write import profile_to_extend
 from sidecar.cli.main import main
 
 

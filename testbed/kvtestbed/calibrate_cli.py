@@ -19,10 +19,8 @@ import argparse
 import sys
 from typing import Any
 
-from sidecar.checks.calibration_profile import (
-    ProfileEntry,
-    ProfileError,
-    host_kernels,
+from sidecar.checks.calibration_profile import ProfileEntry, ProfileError, host_kernels
+from sidecar.checks.calibration_write import (
     measured_entries,
     profile_to_extend,
     save_entries,

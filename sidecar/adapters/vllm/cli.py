@@ -155,14 +155,14 @@ def _profile_to_extend(a: argparse.Namespace) -> Any:
     if a.reference == "none":
         raise ValueError("--write-profile needs a reference to measure (--reference engine "
                          "or hf)")
-    from sidecar.checks.calibration_profile import profile_to_extend
+    from sidecar.checks.calibration_write import profile_to_extend
 
     return profile_to_extend(a.write_profile, a.profile_replace, "--profile-replace")
 
 
 def _write_profile(a: argparse.Namespace, sc: Any, summary: dict[str, Any], base: Any) -> int:
     """At exit: the trusted run's floors to ``--write-profile`` (0), or why not (1)."""
-    from sidecar.checks.calibration_profile import measured_entries, save_entries
+    from sidecar.checks.calibration_write import measured_entries, save_entries
 
     def refuse(why: str) -> int:
         print(f"kv-sidecar vllm serve: no profile written to {a.write_profile}: {why}",
