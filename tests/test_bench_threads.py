@@ -66,3 +66,15 @@ def test_thread_rows_show_the_threads_that_grew_most() -> None:
     assert all("'idle'" not in r.figure for r in rows)
     del rounds[1]["runs"]["off"]["threads_cpu_s"]  # recorded before threads were
     assert thread_rows(rounds, "tap", "T", "E") == []
+
+
+def test_thread_rows_are_never_empty_when_every_busy_thread_shrank() -> None:
+    """A short run with the tap on can use less CPU than off on every busy thread (10 ms
+    ticks): idle threads at 0 ranked first and the table had no row (the fresh-clone run's
+    quick SGLang bench failed on it)."""
+    rounds = [{"runs": {"off": {"requests": 40, "threads_cpu_s": {
+        "sched": 0.5, "io": 0.02, "idle1": 0.0, "idle2": 0.0, "idle3": 0.0}},
+                        "tap": {"requests": 40, "threads_cpu_s": {
+        "sched": 0.48, "io": 0.01, "idle1": 0.0, "idle2": 0.0, "idle3": 0.0}}}}]
+    rows = thread_rows(rounds, "tap", "T", "E")
+    assert [r.figure.split("'")[1] for r in rows] == ["io", "sched"]

@@ -69,9 +69,12 @@ def thread_rows(rounds: list[dict[str, Any]], name: str, title: str,
                                  / max(rd["runs"][config]["requests"], 1) for rd in rounds)
 
     threads = {t for rd in rounds for c in (name, "off") for t in rd["runs"][c]["threads_cpu_s"]}
-    grown = sorted(((per_request(name, t), per_request("off", t), t) for t in threads),
-                   key=lambda x: x[1] - x[0])[:THREAD_ROWS]
+    # Threads that used any CPU only: where every busy thread shrank (a short run, /proc's
+    # 10 ms ticks), idle ones at 0 would otherwise rank first and leave no row.
+    figures = [(per_request(name, t), per_request("off", t), t) for t in threads]
+    busy = [f for f in figures if f[0] > 0 or f[1] > 0]
+    grown = sorted(busy, key=lambda x: x[1] - x[0])[:THREAD_ROWS]
     return [Row(f"{title} vs off: {engine_label} thread {t!r}, CPU per request", on * 1e6,
                 off * 1e6, "us", on / off if off > 0 else float("nan"), "-", None,
                 f"{(on - off) * 1e6:+.0f} us/request")
-            for on, off, t in grown if on > 0 or off > 0]
+            for on, off, t in grown]
