@@ -14,7 +14,8 @@ calibrated tolerance.
 On a CPU with AMX the engine's bf16 prefills are not bit-exact (oneDNN's AMX matmuls depend
 on the shapes: 7 of 5,154 clean blocks differ by 0.008); the shipped profile's entry measured
 there (``kernels`` ``cpu:avx512+amx``) makes the compare near-exact instead: 3 x that floor,
-0.024, still under the offset's 0.05 (:func:`sidecar.checks.calibration.near_exact_tolerance`).
+0.024, still under the offset's 0.05
+(:func:`sidecar.checks.calibration_profile.near_exact_tolerance`).
 """
 
 from __future__ import annotations

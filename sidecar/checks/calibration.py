@@ -26,7 +26,8 @@ and write path (``prefill``/``decode`` where the engine's probe says which wrote
   other kernels, exact only as learnt here, refutable; floor above 0 (float16 prefills on the
   reference engine differ in ~2% of blocks), never exact, whatever 64 blocks showed; floor
   above 0 measured on these kernels, **near-exact**: ``multiple`` x that floor, under the
-  minimum where it is lower (:func:`near_exact_tolerance`: bf16 prefills with AMX);
+  minimum where it is lower (bf16 prefills with AMX;
+  :func:`~sidecar.checks.calibration_profile.near_exact_tolerance`);
 * **drift**: afterwards, the ``quantile`` of the last ``window`` errors divided by the
   floor, the lower of the learnt and the profile's (a corruption present since the start
   raises the learnt floor, never the profile's; the floor never taken below ``minimum /
@@ -63,6 +64,7 @@ from sidecar.checks.calibration_profile import (
     ProfileEntry,
     host_kernels,
     load_profile,
+    near_exact_tolerance,
 )
 from sidecar.checks.tolerance import (
     DEFAULT_CALIBRATION_SAMPLES,
@@ -77,17 +79,6 @@ log = logging.getLogger(__name__)
 
 MIN_DRIFT_ERRORS = 16  # errors a drift quantile needs before it is reported
 DEFAULT_SAMPLES = DEFAULT_CALIBRATION_SAMPLES  # SidecarConfig.calibration_samples's default
-
-
-def near_exact_tolerance(entry: ProfileEntry) -> float:
-    """The tolerance of an exact path whose engine is *nearly* exact on these kernels: a
-    floor above 0 measured on them (:attr:`ProfileEntry.measured_here`) is a rare re-rounding
-    (with AMX, oneDNN's bf16 matmuls depend on the shapes: 7 of 5,154 clean prefill blocks of
-    the reference engine differ, by one ulp of a few elements, 0.008), not a noisy reference.
-    The trusted run measured it over thousands of blocks, so its ``multiple`` x floor holds
-    without the few-ulps minimum that guards a floor learnt from 64 blocks; the minimum
-    (0.0625 in bfloat16) would hide a constant offset of 0.05 that changes outputs."""
-    return entry.multiple * entry.floor
 
 
 @dataclass(frozen=True)

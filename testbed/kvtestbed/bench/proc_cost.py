@@ -23,13 +23,21 @@ def run_clients(clients: Sequence[Callable[[], None]]) -> float:
     return time.perf_counter() - t0
 
 
-def _stat(path: Path) -> list[str] | None:
-    """The fields of a ``/proc/<pid>/stat`` after the command name (state ppid pgrp ...
-    utime stime at 11 and 12), or None once the process is gone."""
+def _named_stat(path: Path) -> tuple[str, list[str]] | None:
+    """A ``/proc/<pid>[/task/<tid>]/stat``'s command name and the fields after it (state
+    ppid pgrp ... utime stime at 11 and 12), from one read; None once the process is gone."""
     try:
-        return path.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        text = path.read_text()
+    except OSError:
         return None
+    head, sep, rest = text.rpartition(")")
+    return (head[head.find("(") + 1:], rest.split()) if sep else None
+
+
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a ``stat`` file after the command name (see :func:`_named_stat`)."""
+    named = _named_stat(path)
+    return named[1] if named else None
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -50,15 +58,6 @@ def group_cpu_s(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _comm(stat: Path) -> str:
-    """The command name between the parentheses of a ``stat`` file ("" once gone)."""
-    try:
-        text = stat.read_text()
-    except OSError:
-        return ""
-    return text[text.find("(") + 1:text.rfind(")")]
-
-
 def group_threads_cpu_s(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) of every thread of the live processes in process group
     ``pgid``, summed by ``process name/thread name`` (threads of one name pooled: a ZMQ
@@ -67,13 +66,12 @@ def group_threads_cpu_s(pgid: int) -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat(stat)
-        if not fields or int(fields[2]) != pgid:
+        named = _named_stat(stat)
+        if not named or int(named[1][2]) != pgid:
             continue
-        process = _comm(stat)
         for task in (stat.parent / "task").glob("[0-9]*/stat"):
-            tf = _stat(task)
-            if tf:
-                name = f"{process}/{_comm(task)}"
+            thread = _named_stat(task)
+            if thread:
+                name, tf = f"{named[0]}/{thread[0]}", thread[1]
                 out[name] = out.get(name, 0.0) + (int(tf[11]) + int(tf[12])) / tick
     return out
