@@ -21,13 +21,20 @@ def test_bench_perf_quick_json_has_every_figure() -> None:
                    "OpenTelemetry push on vs off", "engine throughput, sidecar N=1000",
                    "engine throughput, sidecar N=100", "vs 8B prefill", "content stats",
                    "digest", "recompute compare", "vLLM event ingestion",
-                   "resident memory", "sampled hit to verdict P99", "verifier busy vs idle"):
+                   "resident memory", "sampled hit to verdict P99", "verifier busy vs idle",
+                   # dispatch=process: per event in the engine's process, the sidecar
+                   # process's CPU apart, the hook tail while it verifies
+                   "on_store, dispatch=process: engine process ns/event",
+                   "engine throughput, sidecar N=1000, dispatch=process",
+                   "sidecar process CPU per request",
+                   "dispatch=process: sidecar verifying vs idle"):
         assert any(needle in f for f in figures), (needle, figures)
     for r in out["rows"]:
         assert set(r) >= {"figure", "sidecar", "baseline", "ratio", "target", "met"}
         assert math.isfinite(r["baseline"]) and r["baseline"] > 0, r
     assert set(out["raw"]) >= {"hooks", "engine", "checks", "events", "memory",
-                               "verification_latency", "tail"}
+                               "verification_latency", "tail", "process_events",
+                               "process_tail"}
     # N=1000 is the steady state: a run shorter than the start burst (the first 1,000 hits
     # sampled 1 in 10) measured 1 in 10 under N=1000's name until the burst got a row of
     # its own; each configuration's samples say which rate it really ran at.

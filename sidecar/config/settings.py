@@ -44,7 +44,8 @@ class SidecarConfig:
     # the hook returns), at most this many bytes per sample (larger captures are skipped).
     capture: bool = True
     capture_max_bytes: int = 64 * 2**20
-    # Where samples go (sidecar.core.dispatch): queued (a worker thread), inline, deferred.
+    # Where samples go (sidecar.core.dispatch): queued (a worker thread), inline, deferred;
+    # process: the whole Monitor in a sidecar process of its own (sidecar.adapters.remote).
     dispatch: Mode = "queued"
     allocator_every_s: float = 1.0  # scheduled allocator polls (0: none)
     # Recompute tolerance (sidecar/checks/calibration.py): overrides "[REFERENCE:]DTYPE" -> value;

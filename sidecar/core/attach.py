@@ -49,6 +49,7 @@ class Capabilities:
     introspection: AllocatorIntrospection | None = None
     scrub_source: ScrubSource | None = None
     evictor: Evictor | None = None
+    remote_reference: Callable[[], Callable[[], object]] | None = None
     observe_store: Callable[..., Any] | None = None
     observe_free: Callable[..., Any] | None = None
     observe_release: Callable[..., Any] | None = None
@@ -61,7 +62,8 @@ class Capabilities:
         """Names of the capabilities in force."""
         values = {"capture": self.capture, "busy": self.busy,
                   "block_tables": self.introspection, "scrub_hit": self.scrub_source,
-                  "evict": self.evictor, "observe_store": self.observe_store,
+                  "evict": self.evictor, "remote_reference": self.remote_reference,
+                  "observe_store": self.observe_store,
                   "observe_free": self.observe_free, "observe_release": self.observe_release}
         names = {n for n, v in values.items() if v is not None}
         if not self.reread:
@@ -112,6 +114,7 @@ def resolve(adapter: Adapter, sampler: Any = None, *, quiet: bool = False) -> Ca
         introspection=cast(AllocatorIntrospection, adapter) if take("block_tables") else None,
         scrub_source=cast(ScrubSource, adapter) if take("scrub_hit") else None,
         evictor=cast(Evictor, adapter) if take("evict") else None,
+        remote_reference=take("remote_reference"),
         observe_store=take("observe_store"), observe_free=take("observe_free"),
         observe_release=take("observe_release"),
         problems={n: tuple(p) for n, p in problems.items()}, refused=frozenset(refused),

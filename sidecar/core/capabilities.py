@@ -21,7 +21,7 @@ with a message naming it, and runs without it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +47,16 @@ REFERENCE_KINDS: tuple[str, ...] = ("independent", "engine")
 
 
 # ---------------------------------------------------------------- adapter capabilities
+@runtime_checkable
+class RemoteReference(Protocol):
+    """``dispatch = "process"`` (:mod:`sidecar.adapters.remote`): a picklable factory the sidecar
+    process calls once to build the reference it recomputes with (an object with this
+    adapter's ``recompute`` and, optionally, ``reference_kind``). For an in-process engine
+    whose recompute runs its own model: a factory of that model from its config and seed."""
+
+    def remote_reference(self) -> Callable[[], object]: ...
+
+
 @runtime_checkable
 class Capture(Protocol):
     """Copy the KV the request is served *at match time*, on the engine's thread, before the
@@ -187,6 +197,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("block_tables", "adapter", AllocatorIntrospection),
     Capability("scrub_hit", "adapter", ScrubSource),
     Capability("evict", "adapter", Evictor),
+    Capability("remote_reference", "adapter", RemoteReference),
     Capability("observe_store", "sampler", ObservesStores),
     Capability("observe_free", "sampler", ObservesFrees),
     Capability("observe_release", "sampler", ObservesReleases),

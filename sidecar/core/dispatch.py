@@ -1,4 +1,6 @@
-"""Where a sample goes once the hot path has taken it: one mechanism, three modes.
+"""Where a sample goes once the hot path has taken it: one mechanism, three modes (a
+fourth, ``process``, moves the whole Monitor to a process of its own:
+:mod:`sidecar.adapters.remote`).
 
 * ``queued`` (production): a bounded queue and one worker thread; a full queue drops the
   sample and counts it (``queue_full``), it never blocks the engine;
@@ -28,8 +30,10 @@ if TYPE_CHECKING:  # annotations only: the config (and --help) reads MODES witho
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["queued", "inline", "deferred"]
-MODES: tuple[Mode, ...] = ("queued", "inline", "deferred")
+Mode = Literal["queued", "inline", "deferred", "process"]
+# "process": the Monitor in a sidecar process of its own (sidecar.adapters.remote), which runs it
+# queued; a Dispatcher itself has the other three.
+MODES: tuple[Mode, ...] = ("queued", "inline", "deferred", "process")
 
 
 class Dispatcher:
@@ -41,6 +45,10 @@ class Dispatcher:
     def __init__(self, verify: Callable[[Sample], Verdict],
                  report: Callable[[Verdict], None], drop: Callable[[DropReason], None],
                  mode: Mode = "queued", queue_size: int = 64) -> None:
+        if mode == "process":
+            raise ValueError("dispatch = 'process' runs the Monitor in a sidecar process: "
+                             "start it with sidecar.adapters.remote.process.SidecarProcess (the "
+                             "demo's --dispatch process), not with Monitor")
         if mode not in MODES:
             raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode

@@ -88,9 +88,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         opts.token = load_token()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    from sidecar.adapters.remote.process import SidecarProcessError
+
     try:
         summary = run_demo(opts)
-    except ProfileError as exc:
+    except (ProfileError, SidecarProcessError) as exc:
+        raise UsageError(str(exc)) from None
+    except ValueError as exc:  # what dispatch = "process" does not run beside
+        if "dispatch = 'process'" not in str(exc):
+            raise
         raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

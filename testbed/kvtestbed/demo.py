@@ -17,6 +17,7 @@ from kvtestbed.adapters.paged_adapter import ReferenceAdapter
 from kvtestbed.engines.engine import EngineConfig, ReferenceEngine, Result
 from kvtestbed.engines.model import ModelConfig
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
+from sidecar.adapters.remote.process import SidecarProcess
 from sidecar.core.health import monitor_health
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.export.server import SidecarServer
@@ -62,7 +63,7 @@ class Progress:
         self._last_decile = -1
         self.started = time.monotonic()
 
-    def update(self, done: int, monitor: Monitor) -> None:
+    def update(self, done: int, monitor: Monitor | SidecarProcess) -> None:
         if not self.enabled:
             return
         decile = done * 10 // max(self.total, 1)
@@ -127,7 +128,27 @@ def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
     return engine, monitor
 
 
+def build_process(opts: DemoOptions) -> tuple[ReferenceEngine, SidecarProcess]:
+    """``dispatch = "process"``: the reference engine with only the sidecar's front in its
+    process; the sidecar process serves ``/metrics`` on ``opts.port`` (started here)."""
+    if opts.model != "reference":
+        raise ValueError(f"dispatch = 'process' runs beside --model reference (the hybrid "
+                         f"engines' adapter offers no remote reference), not {opts.model}")
+    if opts.otel != "none" or opts.otlp_endpoint:
+        raise ValueError("--otel and --otlp-endpoint export from the Monitor's process; with "
+                         "dispatch = 'process' scrape the sidecar process's /metrics instead")
+    engine = ReferenceEngine(EngineConfig(
+        model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
+        fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
+    sidecar = SidecarProcess(ReferenceAdapter(engine), sidecar_config(opts), port=opts.port,
+                             token=opts.token).start()
+    engine.sink = sidecar.front
+    return engine, sidecar
+
+
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    if sidecar_config(opts).dispatch == "process":
+        return run_process_demo(opts)
     engine, monitor = build(opts)
     otel = None
     if opts.otel == "console":
@@ -145,29 +166,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
               f"requests={opts.requests} sample 1/{opts.sample_every}; "
               f"metrics at {server.url}/metrics", file=sys.stderr, flush=True)
     monitor.start()
-    progress = Progress(opts.requests, opts.progress)
-    workload = ChatWorkload(WorkloadConfig(seed=opts.seed,
-                                           conversations=max(8, opts.requests // 3 + 8),
-                                           block_size=engine.block_size))
-    done = 0
-    # Requests completed (the monitor's count, the unit of every "request index" in the
-    # summary) before the step in which the fault first acted: a lower bound, so the
-    # detection delays reported from it are never too short.
-    seen_done = 0
-    fault_start: int | None = None
-
-    def on_result(result: Result) -> None:
-        nonlocal done, seen_done, fault_start
-        done += 1
-        if fault_start is None and getattr(engine.fault, "injections", None):
-            fault_start = seen_done
-        seen_done = monitor.requests_done
-        progress.update(done, monitor)
-        if opts.pace_s:
-            time.sleep(opts.pace_s)
-
     try:
-        drive(engine, workload, max_requests=opts.requests, on_result=on_result)
+        fault_start = drive_demo(engine, opts, monitor)
         monitor.drain(timeout_s=120)
         monitor.poll_allocator()
         summary = monitor.summary()
@@ -185,6 +185,56 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             otel.shutdown()
         if push is not None:
             push.shutdown()
+
+
+def drive_demo(engine: ReferenceEngine, opts: DemoOptions,
+               monitor: Monitor | SidecarProcess) -> int | None:
+    """The seeded chat workload through ``engine``, progress shown; returns the fault's
+    start: requests completed (the monitor's count, the unit of every "request index" in
+    the summary) before the step in which the fault first acted, a lower bound, so the
+    detection delays reported from it are never too short."""
+    progress = Progress(opts.requests, opts.progress)
+    workload = ChatWorkload(WorkloadConfig(seed=opts.seed,
+                                           conversations=max(8, opts.requests // 3 + 8),
+                                           block_size=engine.block_size))
+    done = seen_done = 0
+    fault_start: int | None = None
+
+    def on_result(result: Result) -> None:
+        nonlocal done, seen_done, fault_start
+        done += 1
+        if fault_start is None and getattr(engine.fault, "injections", None):
+            fault_start = seen_done
+        seen_done = monitor.requests_done
+        progress.update(done, monitor)
+        if opts.pace_s:
+            time.sleep(opts.pace_s)
+
+    drive(engine, workload, max_requests=opts.requests, on_result=on_result)
+    return fault_start
+
+
+def run_process_demo(opts: DemoOptions) -> dict[str, Any]:
+    """The demo with ``dispatch = "process"``: the same drive and summary, the Monitor in a
+    sidecar process of its own (:mod:`sidecar.adapters.remote`)."""
+    engine, sidecar = build_process(opts)
+    if opts.progress:
+        print(f"kv-sidecar demo: fault={opts.fault} dtype={opts.dtype} "
+              f"requests={opts.requests} sample 1/{opts.sample_every}, sidecar in process "
+              f"{sidecar.process.pid}; metrics at {sidecar.url}/metrics", file=sys.stderr,
+              flush=True)
+    try:
+        fault_start = drive_demo(engine, opts, sidecar)
+        sidecar.drain(timeout_s=120)
+        sidecar.poll_allocator()
+        summary = sidecar.summary()
+        summary.update(demo_extras(engine, opts, summary, fault_start))
+        summary["dispatch"] = "process"
+        if opts.hold_s > 0:
+            time.sleep(opts.hold_s)
+        return summary
+    finally:
+        sidecar.stop()
 
 
 def demo_extras(engine: ReferenceEngine, opts: DemoOptions,

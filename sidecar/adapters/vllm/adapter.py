@@ -44,10 +44,12 @@ def captured_hit(cap: Capture) -> tuple[Lookup, list[BlockKV]]:
     """A probe capture as the Monitor takes it: the lookup (with its hit) and the captured
     blocks, for :meth:`sidecar.core.monitor.Monitor.on_captured`."""
     hit = Hit(tokens=cap.tokens, hit_tokens=cap.hit_tokens, blocks=cap.blocks,
-              key_fields=cap.key_fields)
-    blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v)
+              key_fields=cap.key_fields, generations=cap.generations,
+              tier_states=cap.tier_states)
+    blocks = [BlockKV(BlockRef(g, i, int(cap.blocks[g][i])), k, v,
+                      cap.kv_generations.get((g, i)))
               for (g, i), (k, v) in sorted(cap.kv.items())]
-    return Lookup(cap.query_tokens, cap.hit_tokens, hit), blocks
+    return Lookup(cap.query_tokens, cap.hit_tokens, hit, seq_id=cap.seq_id), blocks
 
 
 def captured_writes(cap: Capture) -> dict[BlockRef, BlockWrite]:

@@ -41,7 +41,9 @@ MAX_DROP_STEP = 1 << 20  # a pipe cannot have dropped more than this between two
 MAX_RUNS = 65_536  # runs in one events message (an outbox flushes at 64 items)
 MAX_EVENT_ITEMS = 1 << 18  # stores, frees and lookups in one (a cache flush frees
 # every stored block at once: 62k of a 1M-slot pool)
-BATCHED_KINDS = frozenset({"lookups", "stores", "frees", "tap_stats"})
+# SGLang's tap's kinds, then an in-process engine's front's (sidecar.adapters.remote.front)
+BATCHED_KINDS = frozenset({"lookups", "stores", "frees", "tap_stats", "block_stores",
+                           "block_frees", "lifecycle", "requests", "tiers"})
 # Drops all pipes together may report: far above what a probe can really drop (a message per
 # engine step, a few thousand steps a second), far below what a liar would claim.
 DROP_RATE_PER_S = 10_000

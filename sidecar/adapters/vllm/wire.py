@@ -18,7 +18,11 @@ protocol's version) and ``kind``:
   cache salt), for the key check against what the block was stored under. An optional
   ``writes`` list names what the probe recorded when each captured block was last written
   (:mod:`.block_writes`): ``[group, index, epoch, digest at write or None, write path,
-  digest now or None]`` (both over the block in the engine's layout);
+  digest now or None]`` (both over the block in the engine's layout). Optional, from an
+  in-process engine's front (:mod:`sidecar.adapters.remote.front`): ``generations`` (group -> the
+  hit's generation stamps), ``tier_states`` (group -> each block's tier state or None),
+  ``seq_id`` (int or short string) and ``kv_generations`` (``[group, index, generation]``
+  of each captured block, read while copying it);
 * ``fingerprints``: counts since the last one, ``blocks: [[group, write path, n], ...]``
   fingerprinted at write and ``evictions`` from the probe's bounded table.
 
@@ -38,7 +42,7 @@ from typing import Any
 import msgpack
 import torch
 
-from sidecar.core.protocol import BlockKV, BlockRef, BlockWrite, WritePath
+from sidecar.core.protocol import BlockKV, BlockRef, BlockWrite, TierState, WritePath
 from sidecar.core.tensor_bytes import byte_view
 
 PROTOCOL_VERSION = 1
@@ -69,7 +73,15 @@ def pack(kind: str, src: str = "", dropped: int = 0, **fields: Any) -> bytes:
     captures (sampled hits) that pipe has dropped so far; ``fields`` may add its other
     cumulative losses, ``lost_lookups`` and ``lost_messages`` (:mod:`.pipe`)."""
     return bytes(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "src": src,
-                                "dropped": dropped, **fields}, use_bin_type=True))
+                                "dropped": dropped, **fields}, use_bin_type=True,
+                               default=_unpackable))
+
+
+def _unpackable(obj: Any) -> str:
+    """What msgpack cannot hold (a numpy integer an engine passed for a block id) goes as
+    a marker string, which the receiver's checks refuse for that item alone: one foreign
+    value must not cost the whole message it rides in."""
+    return f"<unpackable {type(obj).__name__}>"
 
 
 def unpack(data: bytes) -> dict[str, Any]:
@@ -157,10 +169,15 @@ class Capture:
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (group, index) -> K, V
     key_fields: Mapping[str, str] = field(default_factory=dict)
     writes: Mapping[tuple[int, int], BlockWrite] = field(default_factory=dict)
+    generations: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    tier_states: Mapping[int, tuple[TierState | None, ...]] = field(default_factory=dict)
+    seq_id: int | str | None = None
+    kv_generations: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
     def block_kv(self, ref: BlockRef) -> BlockKV | None:
         kv = self.kv.get((ref.group_id, ref.index))
-        return None if kv is None else BlockKV(ref, kv[0], kv[1])
+        return None if kv is None else BlockKV(ref, kv[0], kv[1],
+                                               self.kv_generations.get((ref.group_id, ref.index)))
 
 
 def capture_fields(capture_id: str, role: str, salt: str | None, tokens: Sequence[int],
@@ -221,7 +238,55 @@ def decode_capture(msg: dict[str, Any]) -> Capture:
         kv[(gi, ii)] = (tensor_from(kb, dtype, shape), tensor_from(vb, dtype, v_shape))
     return Capture(cid, role, salt, tuple(tokens), _int(msg.get("query_tokens"), "query_tokens"),
                    _int(msg.get("hit_tokens"), "hit_tokens"), blocks, kv,
-                   decode_key_fields(msg.get("key_fields")), _writes(msg.get("writes"), kv))
+                   decode_key_fields(msg.get("key_fields")), _writes(msg.get("writes"), kv),
+                   *_hit_extras(msg, blocks, kv))
+
+
+_TIER_VALUES = {s.value: s for s in TierState}
+
+
+def _hit_extras(msg: Mapping[str, Any], blocks: Mapping[int, list[int]],
+                kv: Mapping[tuple[int, int], Any]) -> tuple[Any, ...]:
+    """A capture's optional hit extras (module docstring): generations and tier states per
+    group of the capture's block table, each at most as long as that group's list; the
+    sequence id; the captured blocks' generations."""
+    gens_raw, tiers_raw, kvg_raw = (msg.get(k) for k in ("generations", "tier_states",
+                                                        "kv_generations"))
+    generations: dict[int, tuple[int, ...]] = {}
+    tiers: dict[int, tuple[TierState | None, ...]] = {}
+    for raw, what in ((gens_raw, "generations"), (tiers_raw, "tier_states")):
+        if raw is None:
+            continue
+        if not isinstance(raw, dict) or len(raw) > 64:
+            raise WireError(f"{what} is not a small map group -> list")
+        for g, values in raw.items():
+            gi = _int(g, "group", 0, 1023)
+            if gi not in blocks or not isinstance(values, list) or \
+                    len(values) > len(blocks[gi]):
+                raise WireError(f"{what} of group {gi}: not a list as long as its blocks")
+            if what == "generations":
+                generations[gi] = tuple(_int(v, "generation") for v in values)
+            elif not all(v is None or v in _TIER_VALUES for v in values):
+                raise WireError(f"tier states must be None or one of {sorted(_TIER_VALUES)}")
+            else:
+                tiers[gi] = tuple(None if v is None else _TIER_VALUES[v] for v in values)
+    seq_id = msg.get("seq_id")
+    if seq_id is not None and not ((_is_int(seq_id) and abs(seq_id) < 2**63) or
+                                   (isinstance(seq_id, str) and len(seq_id) <= 256)):
+        raise WireError("seq_id is not an int or a short string")
+    kv_generations: dict[tuple[int, int], int] = {}
+    if kvg_raw is not None:
+        if not isinstance(kvg_raw, list) or len(kvg_raw) > 1024:
+            raise WireError("kv_generations is not a short list")
+        for entry in kvg_raw:
+            if not isinstance(entry, list) or len(entry) != 3:
+                raise WireError("a kv generation is not [group, index, generation]")
+            key = (_int(entry[0], "group", 0, 1023), _int(entry[1], "block index"))
+            if key not in kv:
+                raise WireError(f"kv generation for group {key[0]} block #{key[1]}: not a "
+                                "captured block")
+            kv_generations[key] = _int(entry[2], "generation")
+    return generations, tiers, seq_id, kv_generations
 
 
 def _writes(raw: Any, kv: Mapping[tuple[int, int], Any]) -> dict[tuple[int, int], BlockWrite]:

@@ -8,10 +8,12 @@ engine's lock is held only for the copies and the allocator snapshot, never for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from kvtestbed.engines.blocks import chain_hash
 from kvtestbed.engines.engine import GROUP_ID, KEY_FIELD_NAMES, ReferenceEngine
+from kvtestbed.engines.model import ModelConfig, TinyLlama
 from sidecar.core.capture_buffer import CaptureBuffer
 from sidecar.core.protocol import (
     AdapterError,
@@ -115,19 +117,14 @@ class ReferenceAdapter:
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         """KV of ``hit.tokens`` up to the end of the last ref's block, computed from
         scratch with the hit's own adapter: what the cache should have held."""
-        if not refs:
-            return []
         for ref in refs:
             self._check(ref)
-        bs = self._info.block_size
-        end = recompute_end(self._info, hit, refs)
-        kv = self.engine.model.prefill(list(hit.tokens[:end]), hit.key_fields.get("adapter", ""))
-        out: list[BlockKV] = []
-        for ref in refs:
-            start, stop = ref.token_range(bs)
-            out.append(BlockKV(ref, kv.keys[:, :, start:stop].clone(),
-                               kv.values[:, :, start:stop].clone()))
-        return out
+        return recompute_blocks(self.engine.model, self._info, hit, refs)
+
+    def remote_reference(self) -> Callable[[], ModelReference]:
+        """Optional capability (``dispatch = "process"``): the sidecar process builds the
+        same seeded model (same weights, same kernels) and recomputes with it."""
+        return functools.partial(ModelReference, self.engine.config.model, self._info)
 
     def allocator(self) -> AllocatorState:
         engine = self.engine
@@ -227,6 +224,36 @@ class ReferenceAdapter:
         waiting = stats["submitted"] - stats["admitted"] - stats["rejected"]
         return waiting >= self.engine.config.max_running
 
+
+
+def recompute_blocks(model: TinyLlama, info: EngineInfo, hit: Hit,
+                     refs: Sequence[BlockRef]) -> list[BlockKV]:
+    """The recompute of the reference engines' paged adapters, on ``model``."""
+    if not refs:
+        return []
+    bs = info.block_size
+    end = recompute_end(info, hit, refs)
+    kv = model.prefill(list(hit.tokens[:end]), hit.key_fields.get("adapter", ""))
+    out: list[BlockKV] = []
+    for ref in refs:
+        start, stop = ref.token_range(bs)
+        out.append(BlockKV(ref, kv.keys[:, :, start:stop].clone(),
+                           kv.values[:, :, start:stop].clone()))
+    return out
+
+
+class ModelReference:
+    """The reference engine's recompute in another process (``dispatch = "process"``): its
+    model built again from the config and seed (on the CPU), nothing else of the engine."""
+
+    reference_kind = "engine"  # the engine's own model code, weights and kernels
+
+    def __init__(self, model: ModelConfig, info: EngineInfo) -> None:
+        self.model = TinyLlama(model)
+        self.info = info
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        return recompute_blocks(self.model, self.info, hit, refs)
 
 
 def recompute_end(info: EngineInfo, hit: Hit, refs: Sequence[BlockRef]) -> int:

@@ -44,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instructions", action="store_true",
                    help="count instructions under callgrind even with --quick")
     p.add_argument("--figures",
-                   default="hooks,engine,checks,events,memory,latency,tail,fingerprint",
+                   default="hooks,engine,checks,events,memory,latency,tail,fingerprint,process",
                    help="comma-separated subset of: hooks, engine, checks, events, memory, "
-                        "latency, tail, fingerprint (the vLLM probe's; default: all)")
+                        "latency, tail, fingerprint (the vLLM probe's), process (dispatch = "
+                        "process: the engine's process's cost per event, the hook tail); "
+                        "default: all")
     p.add_argument("--guard", action="store_true",  # testbed/kvtestbed/bench/perf_guard.py
                    help="also measure the cache-bypass guard's overhead when closed "
                         "(throughput, P50/P99 through it vs direct)")
@@ -142,9 +144,17 @@ def engine_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
     rows = []
     clocks = (("wall_s", "wall time"), ("process_cpu_s", "process CPU (all threads)"),
               ("engine_cpu_s", "engine-thread CPU"))
-    for name, target in (("N=1000", 0.98), ("N=100", 0.95), (E.START_BURST, None)):
+    for name, target in (("N=1000", 0.98), ("N=100", 0.95), (E.START_BURST, None),
+                         (E.PROCESS_1000, 0.98), (E.PROCESS_100, 0.95)):
         r = eo[name]
+        if r.get("sidecar_cpu_s") is not None:  # dispatch=process: the sidecar apart
+            per = r["sidecar_cpu_s"] / r["requests"] * 1e3
+            eng = det["process_cpu_s"] / det["requests"] * 1e3
+            rows.append(Row(f"sidecar process CPU per request, {name} (ms), vs the detached "
+                            "engine's", per, eng, "ms", per / eng, "-", None))
         for clock, label in clocks:
+            if r.get("sidecar_cpu_s") is not None and clock == "process_cpu_s":
+                label = "the engine process's CPU (all its threads; not the sidecar's)"
             q = r[f"ratio_{clock}"]
             rows.append(Row(f"engine throughput, sidecar {name}: requests/s by {label}",
                             r["requests"] / r[clock], det["requests"] / det[clock], "req/s",
@@ -265,7 +275,8 @@ def tail_rows(quick: bool, repeats: int, raw: dict[str, Any]) -> list[Row]:
     return rows
 
 
-FIGURES = ("hooks", "engine", "checks", "events", "memory", "latency", "tail", "fingerprint")
+FIGURES = ("hooks", "engine", "checks", "events", "memory", "latency", "tail", "fingerprint",
+           "process")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,6 +331,10 @@ def run(args: argparse.Namespace) -> int:
             from kvtestbed.bench.perf_fingerprint import fingerprint_rows
 
             rows += fingerprint_rows(args.quick, repeats, raw)
+        elif fig == "process":  # dispatch=process (testbed/kvtestbed/bench/perf_front.py)
+            from kvtestbed.bench.perf_front import process_rows
+
+            rows += process_rows(args.quick, repeats, raw, PROCESS_TARGETS_NS)
     if getattr(args, "guard", False):  # the guard's block (testbed/kvtestbed/bench/perf_guard.py)
         from kvtestbed.bench.perf_guard import guard_rows
 

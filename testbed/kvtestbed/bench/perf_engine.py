@@ -40,6 +40,7 @@ def _workload(engine: ReferenceEngine, seed: int, requests: int) -> ChatWorkload
 
 
 START_BURST = "N=1000, first hits after a start (burst: 1 in 10)"
+PROCESS_1000, PROCESS_100 = "N=1000, dispatch=process", "N=100, dispatch=process"
 # Each configuration of the engine figure: its name and run_engine's arguments (the
 # baseline first: the ratios divide by it).
 ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
@@ -47,13 +48,16 @@ ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "N=1000": {"sample_every": 1000},
     "N=100": {"sample_every": 100},
     START_BURST: {"sample_every": 1000, "start_burst": True},
+    # the Monitor in a sidecar process of its own (sidecar.adapters.remote): its CPU reported apart
+    PROCESS_1000: {"sample_every": 1000, "dispatch": "process"},
+    PROCESS_100: {"sample_every": 100, "dispatch": "process"},
 }
 ENGINE_RUNS = tuple(ENGINE_CONFIGS)
 
 
 def run_engine(requests: int, sample_every: int | None, seed: int = 0,
                time_lookups: bool = False, unlimited_budget: bool = False,
-               start_burst: bool = False) -> dict[str, Any]:
+               start_burst: bool = False, dispatch: str = "queued") -> dict[str, Any]:
     """One seeded run. ``sample_every=None``: detached (no sink at all, no fingerprint).
     Steady state unless ``start_burst``: a sidecar samples its first 1,000 hits after a
     start 1 in 10 whatever N is (sidecar/core/burst.py), which would make every run of a
@@ -62,8 +66,16 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
     Three clocks: wall time of the drive; the engine thread's CPU (``thread_time``); and
     the whole process's CPU (``process_time``: every thread, the journal's, the
     verifier's and the poller's included), from the drive's start until the sidecar has
-    drained and stopped, so deferred work is counted, not left behind."""
+    drained and stopped, so deferred work is counted, not left behind.
+
+    ``dispatch="process"``: the Monitor runs in a sidecar process (started before the
+    clocks, like the in-process Monitor); ``process_cpu_s`` is then the engine's process
+    only (hooks, capture, the front's shipper, ZMQ's I/O thread) and ``sidecar_cpu_s`` the
+    sidecar process's CPU over the same window, up to its drain."""
     engine = _engine(seed, kv_digest=sample_every is not None)
+    if dispatch == "process" and sample_every is not None:
+        return _run_process(engine, requests, sample_every, seed, time_lookups,
+                            unlimited_budget)
     monitor: Monitor | None = None
     verify_latency: list[float] = []
     lookup_ns: list[int] = []
@@ -74,7 +86,7 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
                             burst_hits=SidecarConfig.burst_hits if start_burst else 0)
         monitor = Monitor(ReferenceAdapter(engine), cfg)
         if time_lookups:
-            _time_lookups(monitor, lookup_ns, lookup_sampled)
+            _time_lookups(monitor, lookup_ns, lookup_sampled, take="_enqueue")
         _time_verdicts(monitor, verify_latency)
         engine.sink = monitor
         monitor.start()
@@ -98,6 +110,42 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
             "sampled": lookup_sampled}
 
 
+def _run_process(engine: ReferenceEngine, requests: int, sample_every: int, seed: int,
+                 time_lookups: bool, unlimited_budget: bool) -> dict[str, Any]:
+    """:func:`run_engine` with ``dispatch="process"`` (see there)."""
+    from kvtestbed.bench.proc_cost import process_cpu_s
+    from sidecar.adapters.remote.process import SidecarProcess
+
+    cfg = SidecarConfig(sample_every=sample_every, seed=seed, dispatch="process",
+                        recompute_tokens_per_s=0 if unlimited_budget else 100_000.0,
+                        burst_hits=0)
+    sidecar = SidecarProcess(ReferenceAdapter(engine), cfg).start()
+    front = sidecar.front
+    lookup_ns: list[int] = []
+    lookup_sampled: list[bool] = []
+    if time_lookups:
+        _time_lookups(front, lookup_ns, lookup_sampled, take="_sampled")
+    engine.sink = front
+    pid = sidecar.process.pid
+    try:
+        workload = _workload(engine, seed, requests)
+        side0 = process_cpu_s(pid)
+        wall0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
+        results = drive(engine, workload, max_requests=requests)
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        sidecar.drain(timeout_s=120)
+        process_cpu = time.process_time() - proc0
+        side = process_cpu_s(pid) - side0
+        counts = sidecar.summary()
+    finally:
+        sidecar.stop()
+    return {"wall_s": wall, "engine_cpu_s": cpu, "process_cpu_s": process_cpu,
+            "sidecar_cpu_s": side, "requests": len(results),
+            "prompt_tokens": sum(r.prompt_tokens for r in results), "hits": counts["hits"],
+            "samples": counts["sampled"], "verify_latency_s": [], "lookup_ns": lookup_ns,
+            "sampled": lookup_sampled}
+
+
 def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
     """Sampled hit (capture) to verdict applied, per verdict."""
     apply = monitor.apply
@@ -109,16 +157,17 @@ def _time_verdicts(monitor: Monitor, out: list[float]) -> None:
     monitor.apply = timed  # type: ignore[method-assign]
 
 
-def _time_lookups(monitor: Monitor, out: list[int], sampled: list[bool]) -> None:
-    """Per lookup: ns on the engine thread, and whether it was sampled (took a sample at
-    match time), so the tail of unsampled hooks is reported apart from sampled ones."""
-    on_lookup = monitor.on_lookup
-    enqueue = monitor._enqueue
+def _time_lookups(sink: Any, out: list[int], sampled: list[bool], take: str) -> None:
+    """Per lookup: ns on the engine thread, and whether it was sampled (``take``: the
+    sink's method a sampled hit goes through: the Monitor's ``_enqueue``, the front's
+    ``_sampled``), so the tail of unsampled hooks is reported apart from sampled ones."""
+    on_lookup = sink.on_lookup
+    taking = getattr(sink, take)
     flag = [False]
 
-    def enqueued(*args: Any) -> None:
+    def took(*args: Any) -> None:
         flag[0] = True
-        enqueue(*args)
+        taking(*args)
 
     def timed(lookup: Lookup) -> None:
         flag[0] = False
@@ -127,8 +176,8 @@ def _time_lookups(monitor: Monitor, out: list[int], sampled: list[bool]) -> None
         out.append(time.perf_counter_ns() - t0)
         sampled.append(flag[0])
 
-    monitor._enqueue = enqueued  # type: ignore[method-assign,assignment]
-    monitor.on_lookup = timed  # type: ignore[method-assign]
+    setattr(sink, take, took)
+    sink.on_lookup = timed
 
 
 def engine_overhead(requests: int, repeats: int) -> dict[str, Any]:
@@ -155,6 +204,9 @@ def engine_overhead(requests: int, repeats: int) -> dict[str, Any]:
             "process_cpu_spread": [min(r["process_cpu_s"] for r in rs),
                                    max(r["process_cpu_s"] for r in rs)],
             "requests": rs[0]["requests"], "prompt_tokens": rs[0]["prompt_tokens"],
+            # dispatch=process: the sidecar process's CPU, apart from the engine's
+            "sidecar_cpu_s": (statistics.median(r["sidecar_cpu_s"] for r in rs)
+                              if "sidecar_cpu_s" in rs[0] else None),
             # per run: what each configuration really sampled (N=1000 must not be the burst)
             "hits": [r["hits"] for r in rs], "samples": [r["samples"] for r in rs],
         }
@@ -186,7 +238,8 @@ def verification_latency(requests: int) -> dict[str, Any]:
             "prefill_256_tokens_s": statistics.median(prefill)}
 
 
-def hook_tail_latency(requests: int, repeats: int = 1) -> dict[str, Any]:
+def hook_tail_latency(requests: int, repeats: int = 1, dispatch: str = "queued"
+                      ) -> dict[str, Any]:
     """Per-call on_lookup latency on the engine thread, same workload: the unsampled hooks
     while the verifier works (1 in 2 sampled, unlimited budget) vs idle (nothing
     sampled); the sampled lookups of the busy run (their capture at match time) apart.
@@ -195,11 +248,13 @@ def hook_tail_latency(requests: int, repeats: int = 1) -> dict[str, Any]:
     sampled: list[dict[str, float]] = []
     idle: list[dict[str, float]] = []
     for _ in range(repeats):
-        run = run_engine(requests, 2, time_lookups=True, unlimited_budget=True)
+        run = run_engine(requests, 2, time_lookups=True, unlimited_budget=True,
+                         dispatch=dispatch)
         pairs = list(zip(run["lookup_ns"], run["sampled"], strict=True))
         busy.append(_tail([ns for ns, s in pairs if not s]))
         sampled.append(_tail([ns for ns, s in pairs if s]))
-        idle.append(_tail(run_engine(requests, 10**9, time_lookups=True)["lookup_ns"]))
+        idle.append(_tail(run_engine(requests, 10**9, time_lookups=True,
+                                     dispatch=dispatch)["lookup_ns"]))
     return {"busy_unsampled": _spread(busy), "sampled": _spread(sampled),
             "idle": _spread(idle)}
 

@@ -1,0 +1,197 @@
+"""``dispatch = "process"`` (sidecar.adapters.remote): the Monitor in a sidecar process of its own,
+the engine's process holding only the front. Real processes (spawned), a real ZMQ pipe,
+the reference engine and its recompute rebuilt in the sidecar process."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+from kvtestbed.demo import DemoOptions, build_process, run_demo, sidecar_config
+from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+from kvtestbed.engines.model import ModelConfig
+from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.adapters.remote import messages as C
+from sidecar.adapters.remote.process import SidecarProcess, SidecarProcessError
+from sidecar.adapters.vllm.wire import WireError, capture_fields, decode_capture, pack, unpack
+from sidecar.core.dispatch import Dispatcher
+from sidecar.core.protocol import BlockTableSnapshot, Lookup, StoredBlock
+
+REQUESTS = 160
+
+
+def _opts(fault: str, dispatch: str) -> DemoOptions:
+    return DemoOptions(fault=fault, requests=REQUESTS, progress=False, port=0,
+                       sidecar={"dispatch": dispatch})
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+@pytest.mark.parametrize("fault", ["none", "stale-reuse", "key-missing-field"])
+def test_same_verdicts_as_in_process(fault: str) -> None:
+    """The front samples with the Monitor's sampler and seed, so the sidecar process
+    verifies the same hits and reaches the same verdicts as an in-process Monitor."""
+    inproc = run_demo(_opts(fault, "queued"))
+    remote = run_demo(_opts(fault, "process"))
+    assert remote["dispatch"] == "process"
+    for key in ("requests", "hits", "sampled", "verified", "anomalies"):
+        assert remote[key] == inproc[key], key
+    assert remote["verified"] > 50
+    if fault == "none":
+        assert not remote["anomalies"] and not remote["invariant_violations"]
+    else:
+        assert remote["anomalies"]
+
+
+def test_allocator_faults_caught_from_the_census() -> None:
+    """Invariants are checked on the census the front ships: a premature free is caught."""
+    s = run_demo(_opts("premature-free", "process"))
+    assert s["invariant_violations"]
+
+
+def _engine(fault: str = "none") -> ReferenceEngine:
+    return ReferenceEngine(EngineConfig(model=ModelConfig(seed=0), num_blocks=256,
+                                        fault=fault, kv_digest=True))
+
+
+def _drive(engine: ReferenceEngine, requests: int) -> None:
+    wl = ChatWorkload(WorkloadConfig(seed=0, conversations=requests // 3 + 8,
+                                     block_size=engine.block_size))
+    drive(engine, wl, max_requests=requests)
+
+
+def test_hostile_hook_input_is_refused_and_counted_in_the_sidecar() -> None:
+    """Bad input never raises out of a front hook; the front's refusals reach the sidecar's
+    counters, and a value msgpack cannot hold (numpy ints, an int past 64 bits) costs only
+    its own item or message, counted, not the events around it."""
+    engine = _engine()
+    sidecar = SidecarProcess(ReferenceAdapter(engine), dataclasses.replace(
+        sidecar_config(_opts("none", "process")), sample_every=2), port=0).start()
+    try:
+        f = sidecar.front
+        assert f.on_lookup(None) is None  # type: ignore[func-returns-value,arg-type]
+        f.on_lookup(Lookup(5, 9))  # hit > query
+        f.on_store("block")  # type: ignore[arg-type]
+        f.on_free(-1, [1])
+        f.on_request_done(math.nan)
+        f.on_allocate(0, 7, np.array([1, 2]), ())  # type: ignore[arg-type]
+        # past the front's O(1) door checks, refused by the sidecar's full ones:
+        f.on_free(0, [np.int64(3)])  # type: ignore[list-item]
+        f.on_store(StoredBlock(0, 2**70, 0, [1] * 16, 0))
+        engine.sink = f
+        _drive(engine, 60)
+        assert sidecar.drain(60)
+        sidecar.poll_allocator()
+        s = sidecar.summary()
+        assert s["requests"] == 60 and s["verified"] > 0 and not s["anomalies"]
+        url = sidecar.url
+        assert url is not None
+        rejected = "kvsidecar_hook_input_rejected_total"
+        for hook in ("on_lookup", "on_store", "on_free", "on_request_done", "on_allocate"):
+            assert _metric(url, rejected, hook=hook) >= 1, hook
+        assert _metric(url, rejected, hook="on_lookup") >= 2
+        assert _metric(url, rejected, hook="on_free") >= 2  # -1, then the numpy id
+        assert _metric(url, rejected, hook="on_store") >= 2  # "block", then 2**70
+        assert _metric(url, "kvsidecar_probe_lost_total") == 0  # nothing else lost
+    finally:
+        sidecar.stop()
+
+
+def test_a_dead_sidecar_process_never_harms_the_engine() -> None:
+    """Killed mid-run: the engine's hooks go on returning (the pipe drops and counts),
+    the owner gets a clear error, and stop() returns."""
+    engine = _engine()
+    sidecar = SidecarProcess(ReferenceAdapter(engine),
+                             sidecar_config(_opts("none", "process"))).start()
+    engine.sink = sidecar.front
+    try:
+        _drive(engine, 20)
+        sidecar.process.kill()
+        sidecar.process.join(10)
+        t0 = time.perf_counter()
+        _drive(engine, 60)
+        assert time.perf_counter() - t0 < 120  # it ran: no hook waited for the sidecar
+        assert not engine.sink_errors
+        with pytest.raises(SidecarProcessError, match="not running"):
+            sidecar.summary()
+    finally:
+        sidecar.stop(timeout_s=5)
+    assert not sidecar.process.is_alive()
+
+
+def test_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="SidecarProcess"):
+        Dispatcher(lambda s: None, lambda v: None, lambda r: None,  # type: ignore[arg-type,return-value]
+                   mode="process")
+
+    class NoReference(ReferenceAdapter):
+        remote_reference = None  # type: ignore[assignment]
+
+    with pytest.raises(SidecarProcessError, match="remote_reference"):
+        SidecarProcess(NoReference(_engine()))
+    with pytest.raises(ValueError, match="--model reference"):
+        build_process(dataclasses.replace(_opts("none", "process"), model="hybrid"))
+    with pytest.raises(ValueError, match="/metrics"):
+        build_process(dataclasses.replace(_opts("none", "process"), otel="console"))
+
+
+# ------------------------------------------------------------------ wire: no processes
+def _capture(**extras: Any) -> dict[str, Any]:
+    k = torch.zeros(2, 1, 4, 8)
+    fields = capture_fields("c", "hit", None, list(range(8)), 8, 8, {0: [5, 6]},
+                            [(0, 1, 6, k, k)])
+    return unpack(pack("capture", **fields, **extras))
+
+
+def test_capture_hit_extras_round_trip_and_bounds() -> None:
+    cap = decode_capture(_capture(generations={0: [3, 4]}, tier_states={0: [None, "loaded"]},
+                                  seq_id="r1", kv_generations=[[0, 1, 4]]))
+    assert cap.generations == {0: (3, 4)} and cap.seq_id == "r1"
+    assert cap.tier_states[0][0] is None and cap.tier_states[0][1].value == "loaded"
+    assert cap.kv_generations == {(0, 1): 4}
+    for bad in ({"generations": {0: [1, 2, 3]}},  # longer than the group's blocks
+                {"generations": {1: [1]}},  # a group the capture does not name
+                {"tier_states": {0: ["gone"]}},
+                {"seq_id": ["x"]},
+                {"kv_generations": [[0, 0, 1]]},  # a block not captured
+                {"generations": {0: [-1]}}):
+        with pytest.raises(WireError):
+            decode_capture(_capture(**bad))
+
+
+def test_census_round_trip_and_bounds() -> None:
+    table = BlockTableSnapshot(
+        group_id=0, num_blocks=4, free=(3,), cached=(2,), ref_counts=(1, 1, 0, 0),
+        block_hashes=(b"\x01", b"\x02", b"\x03", None), index=((b"\x01", 0), (b"\x03", 2)),
+        sequences={7: (0, 1), ("odd", 1): (1,)}, generations=(1, 1, 2, 0))
+    raw = unpack(pack("census", **C.census_fields(None, [table], {"rejected": []})))
+    (back,) = C.decode_tables(raw["tables"]) or ()
+    assert back.free == (3,) and back.block_hashes == table.block_hashes
+    assert back.index == table.index and back.sequences[7] == (0, 1)
+    assert "repr:('odd', 1)" in back.sequences  # a foreign id, by its repr
+    assert C.decode_state(raw.get("state")) is None
+    for bad in ([{"num_blocks": -1}], "tables", [{**raw["tables"][0], "free": ["x"]}],
+                [{**raw["tables"][0], "index": [[1]]}]):
+        with pytest.raises(WireError):
+            C.decode_tables(bad)
+    with pytest.raises(WireError):
+        C.decode_state({"free_blocks": 1, "bogus": 2})
+    with pytest.raises(WireError):
+        C.decode_counts({"rejected": [["on_lookup", "type", -1]]})
