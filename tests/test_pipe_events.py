@@ -187,3 +187,21 @@ def test_only_lookups_the_monitor_takes_count_toward_the_hit_audit() -> None:
     sc = SimpleNamespace(counted_hit_tokens=0, monitor=SimpleNamespace(on_lookup=taken.append))
     SglangSidecar._on_lookups(sc, [(3, 99), (10, 2**62), (20, 16), (-1, 0), (8, 8)])
     assert sc.counted_hit_tokens == 24 and len(taken) == 5  # the Monitor counts its refusals
+
+
+def test_freed_blocks_counts_only_blocks_that_were_stored() -> None:
+    """An outside check drove ``freed_blocks`` with frees of ids never stored: only a free
+    of a block the tap stored (and did not free yet) counts."""
+    from types import SimpleNamespace
+
+    from sidecar.adapters.sglang.service import SglangSidecar
+
+    freed: list[list[int]] = []
+    sc = SimpleNamespace(_stored=set(), freed_blocks=0, full_group=0,
+                         monitor=SimpleNamespace(on_store=lambda b: None,
+                                                 on_free=lambda g, ids: freed.append(ids)))
+    SglangSidecar._on_stores(sc, {"items": [[7, 0, [1] * 4, None, {}],  # type: ignore[arg-type]
+                                            [9, 4, [2] * 4, None, {}]]})
+    SglangSidecar._on_frees(sc, {"ids": [7, 8, 10**12, 7]})  # type: ignore[arg-type]
+    SglangSidecar._on_frees(sc, {"ids": [7, 9]})  # type: ignore[arg-type]
+    assert sc.freed_blocks == 2 and freed == [[7, 8, 10**12, 7], [7, 9]]

@@ -195,3 +195,65 @@ def test_census_round_trip_and_bounds() -> None:
         C.decode_state({"free_blocks": 1, "bogus": 2})
     with pytest.raises(WireError):
         C.decode_counts({"rejected": [["on_lookup", "type", -1]]})
+
+
+# ------------------------------------------------------------------ the front alone
+def _front(tmp_path: Any, **config: Any) -> tuple[Any, Any]:
+    """A front on the reference engine, its pipe into a PULL socket here (no shipper
+    thread: ``ship()`` is called by the test)."""
+    import zmq
+
+    from sidecar.adapters.remote.front import EngineFront
+    from sidecar.core.monitor import SidecarConfig
+
+    endpoint = f"ipc://{tmp_path}/front.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(endpoint)
+    adapter = ReferenceAdapter(_engine())
+    front = EngineFront(adapter, adapter.describe(), SidecarConfig(burst_hits=0, **config),
+                        endpoint)
+    return front, pull
+
+
+def _received(pull: Any) -> list[dict[str, Any]]:
+    import zmq
+
+    out = []
+    while pull.poll(500):
+        out.append(unpack(pull.recv(zmq.NOBLOCK)))
+    return out
+
+
+def test_front_bounds_the_captures_waiting_for_the_shipper(tmp_path: Any) -> None:
+    from sidecar.core.protocol import Hit
+
+    front, pull = _front(tmp_path, sample_every=1, queue_size=2)
+    engine = front.adapter.engine
+    tokens = list(range(64))
+    _drive(engine, 12)  # blocks to capture
+    ids = list(range(4))
+    for _ in range(5):
+        front.on_lookup(Lookup(64, 64, Hit(tokens, 64, {0: ids})))
+    assert front.dropped["queue_full"] == 3  # two captures wait, the rest counted
+    assert front.ship() == 5
+    kinds = [m["kind"] for m in _received(pull)]
+    assert kinds.count("capture") == 2
+    front.pipe.close()
+    pull.close(0)
+
+
+def test_a_store_that_cannot_be_shipped_costs_only_itself(tmp_path: Any) -> None:
+    class Odd:  # a mapping-like object dict() cannot read
+        def __bool__(self) -> bool:
+            return True
+
+    front, pull = _front(tmp_path, sample_every=10**6)
+    front.on_lookup(Lookup(32, 0))
+    front.on_store(StoredBlock(0, 1, 0, [1] * 16, 0, key_fields=Odd()))  # type: ignore[arg-type]
+    front.on_free(0, [1])
+    assert front.ship() == 3
+    runs = [r for m in _received(pull) for r in m.get("runs", [])]
+    assert [r[0] for r in runs] == ["lookups", "block_frees"]
+    assert front.outbox_full["events"] == 1 and front.hook_errors["on_store"] == 1
+    front.pipe.close()
+    pull.close(0)

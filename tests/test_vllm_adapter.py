@@ -179,7 +179,7 @@ def test_receiver_dispatches_counts_drops_and_survives_garbage(tmp_path: Path) -
     assert lookups == [(10, 0), (64, 32)]
     assert [c.capture_id for c in caps] == ["h"]  # references go to their future only
     assert m.value(S.SAMPLES_DROPPED.name, reason="queue_full") == 2
-    assert rx.bad_messages == 1 and m.value(S.HOOK_ERRORS.name, hook="vllm_probe_message") == 1
+    assert rx.bad_messages == 1 and m.value(S.HOOK_ERRORS.name, hook="probe_message") == 1
 
 
 def test_receiver_fails_loudly_when_the_socket_is_taken() -> None:

@@ -30,6 +30,8 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from sidecar.adapters.remote import messages as C
@@ -51,6 +53,7 @@ from sidecar.core.protocol import (
 )
 from sidecar.core.sampling import Burst, UniformSampler
 from sidecar.core.time_limits import Guard
+from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ RUN_KINDS = {LOOKUP: "lookups", STORE: "block_stores", FREE: "block_frees",
 ALLOCATE, RELEASE = 0, 1  # a lifecycle item's op
 
 _PLAIN, _MAX_TOKENS, _MAX_BLOCK = HI.PLAIN_SEQS, HI.MAX_TOKENS, HI.MAX_BLOCK_TOKENS
+_KIND = itemgetter(0)
 
 
 class EngineFront:
@@ -94,12 +98,15 @@ class EngineFront:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._shipper: threading.Thread | None = None
-        self._captures = 0
+        self._captures = 0  # taken, and of those handed to the pipe (sent or not):
+        self.captures_shipped = 0
         # Counted here, shipped with every census (the sidecar adds the growth):
         self.rejected: Counter[tuple[str, str]] = Counter()  # (hook, reason)
         self.dropped: Counter[str] = Counter()  # samples dropped here, by DropReason value
         self.hook_errors: Counter[str] = Counter()
-        self.outbox_full = Counter[str]()  # events the full outbox refused, by kind
+        # events lost before the pipe, by kind: the full outbox refused them, or (events)
+        # a store whose fields could not be read for shipping
+        self.outbox_full = Counter[str]()
         self.shipped_events = 0
         self.ship_errors = 0
         self._next_census = 0.0
@@ -120,7 +127,8 @@ class EngineFront:
             if h > 0 and hit is not None and self.sampler.should_sample(hit):
                 self._sampled(lookup, hit)
                 return
-            self._post((LOOKUP, (q, h)))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)((LOOKUP, (q, h)))
         except Exception as exc:
             self._failed("on_lookup", exc)
 
@@ -131,7 +139,8 @@ class EngineFront:
                     and self._refuse("on_store", HI.check_store(block)):
                 return
             # the tokens copied now: the engine may reuse its list once the hook returns
-            self._post((STORE, block, tuple(block.tokens)))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)((STORE, block, tuple(block.tokens)))
             if self._observe_store is not None:
                 self._observe_store(block)
         except Exception as exc:
@@ -143,7 +152,8 @@ class EngineFront:
                     or len(block_ids) > _MAX_TOKENS) \
                     and self._refuse("on_free", HI.check_blocks(group_id, block_ids)):
                 return
-            self._post((FREE, (group_id, tuple(block_ids))))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)((FREE, (group_id, tuple(block_ids))))
             if self._observe_free is not None:
                 self._observe_free(group_id, block_ids)
         except Exception as exc:
@@ -158,8 +168,9 @@ class EngineFront:
                     and self._refuse("on_allocate", HI.check_blocks(group_id, block_ids)
                                      or HI.check_blocks(group_id, generations)):
                 return
-            self._post((LIFECYCLE, (ALLOCATE, group_id, seq_id, tuple(block_ids),
-                                    tuple(generations))))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)(
+                (LIFECYCLE, (ALLOCATE, group_id, seq_id, tuple(block_ids), tuple(generations))))
         except Exception as exc:
             self._failed("on_allocate", exc)
 
@@ -169,7 +180,9 @@ class EngineFront:
                     or len(block_ids) > _MAX_TOKENS) \
                     and self._refuse("on_release", HI.check_blocks(group_id, block_ids)):
                 return
-            self._post((LIFECYCLE, (RELEASE, group_id, seq_id, tuple(block_ids), ())))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)(
+                (LIFECYCLE, (RELEASE, group_id, seq_id, tuple(block_ids), ())))
             if self._observe_release is not None:
                 self._observe_release(group_id, seq_id, block_ids)
         except Exception as exc:
@@ -181,7 +194,8 @@ class EngineFront:
             if (type(x) is not float or not 0.0 <= x <= HI.MAX_LATENCY_S) \
                     and self._refuse("on_request_done", HI.check_latency(x)):
                 return
-            self._post((REQUEST, x))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)((REQUEST, x))
             self.requests_posted += 1
         except Exception as exc:
             self._failed("on_request_done", exc)
@@ -190,7 +204,9 @@ class EngineFront:
                 seconds: float | None = None) -> None:
         try:
             value = state.value if isinstance(state, TierState) else state
-            self._post((TIER, (group_id, block_id, value, seconds)))
+            box = self._outbox  # _post, inline (a method call less per event)
+            (box.append if len(box) < WAKE_AT else self._post)(
+                (TIER, (group_id, block_id, value, seconds)))
         except Exception as exc:
             self._failed("on_tier", exc)
 
@@ -199,6 +215,11 @@ class EngineFront:
         """Check the hit's shape, choose its blocks, copy them now, and queue the capture
         behind every event before it; a hit that cannot be taken still counts as a lookup."""
         q, h = lookup.query_tokens, lookup.hit_tokens
+        if self._captures - self.captures_shipped >= self.config.queue_size:
+            # captures waiting for the shipper are bounded as the Monitor's queue is
+            self.dropped[DropReason.QUEUE_FULL.value] += 1
+            self._post((LOOKUP, (q, h)))
+            return
         why = HI.check_lookup(lookup) or check_hit_shape(hit, self.info.groups)
         if why is not None:
             self._refuse("on_lookup", why)
@@ -214,7 +235,7 @@ class EngineFront:
         size = sum(b.key.nbytes + b.value.nbytes for b in blocks)
         if not blocks or size > self.config.capture_max_bytes:
             if blocks:
-                self.dropped["capture_too_large"] += 1
+                self.dropped[DropReason.CAPTURE_TOO_LARGE.value] += 1
             self._post((LOOKUP, (q, h)))
             return
         self._captures += 1
@@ -223,6 +244,9 @@ class EngineFront:
 
     # ------------------------------------------------------------------ outbox
     def _post(self, event: tuple[Any, ...]) -> None:
+        """Queue ``event``; past :data:`WAKE_AT` waiting the shipper is woken, past
+        :data:`OUTBOX_LIMIT` the event is dropped and counted by what it was. The hooks
+        inline the common case (fewer than WAKE_AT waiting: an append)."""
         box = self._outbox
         n = len(box)
         if n >= OUTBOX_LIMIT:
@@ -230,7 +254,7 @@ class EngineFront:
                               "lookups" if event[0] == LOOKUP else "events"] += 1
             return
         box.append(event)
-        if n == WAKE_AT:
+        if n >= WAKE_AT:
             self._wake.set()
 
     def _refuse(self, hook: str, why: HI.InputReject | None) -> bool:
@@ -272,38 +296,51 @@ class EngineFront:
 
     def ship(self) -> int:
         """Send what waits in the outbox, in order (the shipper's; :meth:`stop` too): runs
-        of one kind each, at most :data:`RUN_ITEMS` items a message; a capture or a mark
-        goes out on its own, after everything before it."""
+        of one kind each, at most :data:`RUN_ITEMS` items a message; a capture, mark or
+        census goes out on its own, after everything before it."""
         box = self._outbox
-        n = len(box)
+        popleft = box.popleft
+        events = [popleft() for _ in range(len(box))]
         runs: list[list[Any]] = []
-        items: list[Any] = []
-        kind = total = -1
-        for _ in range(n):
-            event = box.popleft()
-            k = event[0]
-            if k >= CAPTURE:  # a capture, mark or census: alone, after what came before
+        total = 0
+        for kind, group in groupby(events, key=_KIND):
+            if kind >= CAPTURE:  # alone, after what came before
                 self._send_runs(runs)
-                runs, kind, total = [], -1, 0
-                if k == CAPTURE:
-                    self._send_capture(*event[1:])
-                elif k == MARK:
-                    self.pipe.send_message("mark", n=event[1])
-                else:
-                    self.send_census()
+                runs, total = [], 0
+                for event in group:
+                    self._ship_one(event)
                 continue
-            if k != kind:
-                items = []
-                runs.append([RUN_KINDS[k], {"items": items}])
-                kind = k
-            items.append(_item(event))
-            total += 1
-            if total >= RUN_ITEMS:
-                self._send_runs(runs)
-                runs, kind, total = [], -1, 0
+            run = list(group)
+            try:
+                if kind == STORE:
+                    items = [[b.group_id, b.block_id, b.generation, tokens, b.prefix_tokens,
+                              _fields(b.key_fields), b.parent_block_id, b.kv_digest, b.seq_id,
+                              b.prefix_digest, b.write_path] for _, b, tokens in run]
+                else:
+                    items = [e[1] for e in run]
+            except Exception as exc:  # a store whose fields cannot be read: counted, lost
+                self.outbox_full["events"] += len(run)
+                self._failed("on_store", exc)
+                continue
+            for at in range(0, len(items), RUN_ITEMS):
+                chunk = items[at:at + RUN_ITEMS] if len(items) > RUN_ITEMS else items
+                runs.append([RUN_KINDS[kind], {"items": chunk}])
+                total += len(chunk)
+                if total >= RUN_ITEMS:
+                    self._send_runs(runs)
+                    runs, total = [], 0
         self._send_runs(runs)
-        self.shipped_events += n
-        return n
+        self.shipped_events += len(events)
+        return len(events)
+
+    def _ship_one(self, event: tuple[Any, ...]) -> None:
+        if event[0] == CAPTURE:
+            self.captures_shipped += 1
+            self._send_capture(*event[1:])
+        elif event[0] == MARK:
+            self.pipe.send_message("mark", n=event[1])
+        else:
+            self.send_census()
 
     def _send_runs(self, runs: list[list[Any]]) -> None:
         if not runs:
@@ -379,12 +416,9 @@ class EngineFront:
         self.pipe.close()
 
 
-def _item(event: tuple[Any, ...]) -> Any:
-    """An outbox event as its run's item (what the child's handler of that run decodes)."""
-    k = event[0]
-    if k == STORE:
-        b: StoredBlock = event[1]
-        return [b.group_id, b.block_id, b.generation, event[2], b.prefix_tokens,
-                dict(b.key_fields) if b.key_fields else None, b.parent_block_id,
-                b.kv_digest, b.seq_id, b.prefix_digest, b.write_path]
-    return event[1]
+
+def _fields(key_fields: Any) -> dict[str, Any] | None:
+    """A store's key fields as msgpack carries them (a dict; ``None`` when empty)."""
+    if type(key_fields) is dict:
+        return key_fields or None
+    return dict(key_fields) or None

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 SGLANG_KEY_FIELDS = ("extra_key", "cache_salt")  # what RadixKey namespaces by
 MAX_STORES = 65_536  # per message
+MAX_TRACKED = 1 << 22  # stored block ids kept for freed_blocks (a few hundred MB at most)
 
 
 @dataclass
@@ -148,6 +149,9 @@ class SglangSidecar:
         self._taps: dict[str, tuple[int, int, float]] = {}
         self.census_checks = 0
         self.freed_blocks = 0  # stored blocks the tap saw freed (evicted)
+        # Ids stored and not yet freed (at most MAX_TRACKED): a free counts in freed_blocks
+        # only for one of them (an outside check drove it with ids never stored).
+        self._stored: set[int] = set()
         self.engine_mismatches: list[str] = []
         if cfg.metrics_url:
             self.adapter.bridge = SglangMetricsBridge(
@@ -201,12 +205,16 @@ class SglangSidecar:
                 tuple(tokens) if isinstance(tokens, list) else tokens, lo,
                 decode_key_fields(fields),  # a capture's rule: a small map of short strings
                 prefix_digest=digest))
+            if type(block_id) is int and len(self._stored) < MAX_TRACKED:
+                self._stored.add(block_id)
 
     def _on_frees(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
         if not isinstance(ids, list):
             raise WireError("frees is not a list")
-        self.freed_blocks += len(ids)
+        known = {i for i in ids if type(i) is int and i in self._stored}
+        self._stored.difference_update(known)
+        self.freed_blocks += len(known)
         self.monitor.on_free(self.full_group, ids)
 
     def _on_alloc_failed(self, msg: dict[str, Any]) -> None:

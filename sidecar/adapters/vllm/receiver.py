@@ -42,6 +42,9 @@ MAX_RUNS = 65_536  # runs in one events message (an outbox flushes at 64 items)
 MAX_EVENT_ITEMS = 1 << 18  # stores, frees and lookups in one (a cache flush frees
 # every stored block at once: 62k of a 1M-slot pool)
 # SGLang's tap's kinds, then an in-process engine's front's (sidecar.adapters.remote.front)
+# The hook label a bad message counts under: the pipe carries vLLM's probe, SGLang's tap and
+# an in-process engine's front (dispatch = "process") alike.
+BAD_MESSAGE_HOOK = "probe_message"
 BATCHED_KINDS = frozenset({"lookups", "stores", "frees", "tap_stats", "block_stores",
                            "block_frees", "lifecycle", "requests", "tiers"})
 # Drops all pipes together may report: far above what a probe can really drop (a message per
@@ -190,7 +193,7 @@ class ProbeReceiver:
             self.messages += 1
         except Exception as exc:
             self.bad_messages += 1
-            self.metrics.inc(S.HOOK_ERRORS, hook="vllm_probe_message")
+            self.metrics.inc(S.HOOK_ERRORS, hook=BAD_MESSAGE_HOOK)
             log.warning("bad kv-sidecar probe message skipped: %s: %s",
                         type(exc).__name__, exc)
 
