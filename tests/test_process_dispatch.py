@@ -29,8 +29,8 @@ from sidecar.core.protocol import BlockTableSnapshot, Lookup, StoredBlock
 REQUESTS = 160
 
 
-def _opts(fault: str, dispatch: str) -> DemoOptions:
-    return DemoOptions(fault=fault, requests=REQUESTS, progress=False, port=0,
+def _opts(fault: str, dispatch: str, model: str = "reference") -> DemoOptions:
+    return DemoOptions(fault=fault, model=model, requests=REQUESTS, progress=False, port=0,
                        sidecar={"dispatch": dispatch})
 
 
@@ -44,12 +44,16 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-@pytest.mark.parametrize("fault", ["none", "stale-reuse", "key-missing-field"])
-def test_same_verdicts_as_in_process(fault: str) -> None:
+@pytest.mark.parametrize(("model", "fault"), [
+    ("reference", "none"), ("reference", "stale-reuse"), ("hybrid", "window-mismatch"),
+    ("recurrent", "stale-recurrent-state")])
+def test_same_verdicts_as_in_process(model: str, fault: str) -> None:
     """The front samples with the Monitor's sampler and seed, so the sidecar process
-    verifies the same hits and reaches the same verdicts as an in-process Monitor."""
-    inproc = run_demo(_opts(fault, "queued"))
-    remote = run_demo(_opts(fault, "process"))
+    verifies the same hits and reaches the same verdicts as an in-process Monitor (the
+    hybrid engines' recurrent states and sliding windows included: their recompute is
+    rebuilt in the sidecar process too)."""
+    inproc = run_demo(_opts(fault, "queued", model))
+    remote = run_demo(_opts(fault, "process", model))
     assert remote["dispatch"] == "process"
     for key in ("requests", "hits", "sampled", "verified", "anomalies"):
         assert remote[key] == inproc[key], key
@@ -146,8 +150,6 @@ def test_refused_where_it_cannot_run() -> None:
 
     with pytest.raises(SidecarProcessError, match="remote_reference"):
         SidecarProcess(NoReference(_engine()))
-    with pytest.raises(ValueError, match="--model reference"):
-        build_process(dataclasses.replace(_opts("none", "process"), model="hybrid"))
     with pytest.raises(ValueError, match="/metrics"):
         build_process(dataclasses.replace(_opts("none", "process"), otel="console"))
 

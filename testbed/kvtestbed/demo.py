@@ -97,10 +97,15 @@ def sidecar_config(opts: DemoOptions) -> SidecarConfig:
         "calibration_profile": str(SHIPPED_PROFILE) if profile is None else profile or None})
 
 
-def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
-    """``--model hybrid|recurrent``: the hybrid engine (one pool per cache group) with the
-    sidecar attached as :func:`build` attaches it (no write-time digest: the hybrid engine
-    keeps none)."""
+def engine_and_adapter(opts: DemoOptions) -> tuple[Any, Any]:
+    """The demo's engine for ``opts.model`` and its adapter: the reference paged engine
+    (with write-time digests), or for ``hybrid|recurrent`` the hybrid engine (one pool per
+    cache group, no write-time digest: it keeps none)."""
+    if opts.model == "reference":
+        engine = ReferenceEngine(EngineConfig(
+            model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
+            fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
+        return engine, ReferenceAdapter(engine)
     from kvtestbed.adapters.hybrid_adapter import HybridReferenceAdapter
     from kvtestbed.engines.hybrid_engine import HybridEngine
     from kvtestbed.engines.hybrid_model import model_config
@@ -108,39 +113,29 @@ def build_hybrid(opts: DemoOptions) -> tuple[Any, Monitor]:
     if opts.device != "cpu":
         raise ValueError(f"--model {opts.model} runs on the CPU only (got --device "
                          f"{opts.device}); the reference model runs on CUDA")
-    engine = HybridEngine(EngineConfig(
+    hybrid = HybridEngine(EngineConfig(
         model=model_config(opts.model, opts.dtype, opts.seed), model_kind=opts.model,
         num_blocks=opts.num_blocks, fault=opts.fault, fault_seed=opts.seed))
-    monitor = Monitor(HybridReferenceAdapter(engine), sidecar_config(opts))
-    engine.sink = monitor
-    return engine, monitor
+    return hybrid, HybridReferenceAdapter(hybrid)
 
 
 def build(opts: DemoOptions) -> tuple[ReferenceEngine, Monitor]:
-    """The reference engine with the sidecar attached (also used by tests and the bench)."""
-    if opts.model != "reference":
-        return build_hybrid(opts)  # the hybrid engine has the same surface
-    engine = ReferenceEngine(EngineConfig(
-        model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
-        fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
-    monitor = Monitor(ReferenceAdapter(engine), sidecar_config(opts))
+    """The demo's engine with the sidecar attached in-process (also used by tests and the
+    bench)."""
+    engine, adapter = engine_and_adapter(opts)
+    monitor = Monitor(adapter, sidecar_config(opts))
     engine.sink = monitor
     return engine, monitor
 
 
 def build_process(opts: DemoOptions) -> tuple[ReferenceEngine, SidecarProcess]:
-    """``dispatch = "process"``: the reference engine with only the sidecar's front in its
-    process; the sidecar process serves ``/metrics`` on ``opts.port`` (started here)."""
-    if opts.model != "reference":
-        raise ValueError(f"dispatch = 'process' runs beside --model reference (the hybrid "
-                         f"engines' adapter offers no remote reference), not {opts.model}")
+    """``dispatch = "process"``: the engine with only the sidecar's front in its process;
+    the sidecar process serves ``/metrics`` on ``opts.port`` (started here)."""
     if opts.otel != "none" or opts.otlp_endpoint:
         raise ValueError("--otel and --otlp-endpoint export from the Monitor's process; with "
                          "dispatch = 'process' scrape the sidecar process's /metrics instead")
-    engine = ReferenceEngine(EngineConfig(
-        model=ModelConfig(dtype=opts.dtype, seed=opts.seed), num_blocks=opts.num_blocks,
-        fault=opts.fault, fault_seed=opts.seed, kv_digest=True, device=opts.device))
-    sidecar = SidecarProcess(ReferenceAdapter(engine), sidecar_config(opts), port=opts.port,
+    engine, adapter = engine_and_adapter(opts)
+    sidecar = SidecarProcess(adapter, sidecar_config(opts), port=opts.port,
                              token=opts.token).start()
     engine.sink = sidecar.front
     return engine, sidecar

@@ -20,12 +20,15 @@ tables can put :class:`sidecar.adapters.store_dedup.StoreDedup` before the Monit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtestbed.adapters.paged_adapter import recompute_end
 from kvtestbed.engines.hybrid_engine import HybridEngine
+from kvtestbed.engines.hybrid_model import HybridLM
+from kvtestbed.engines.model import ModelConfig
 from kvtestbed.engines.sequence import KEY_FIELD_NAMES
 from sidecar.core.protocol import (
     AdapterError,
@@ -97,30 +100,16 @@ class HybridReferenceAdapter:
         """One fresh forward of ``hit.tokens`` up to the last ref's block end, cut at the
         recurrent refs' boundaries (a chunked fresh prefill reaches the same state as one
         pass: measured bit-exact), with the hit's own adapter."""
-        if not refs:
-            return []
         for ref in refs:
             self._check(ref)
-        bs = self._info.block_size
-        end = recompute_end(self._info, hit, refs)
-        boundaries = sorted({ref.token_range(bs)[1] for ref in refs
-                             if self._recurrent(ref.group_id)})
-        out = self.engine.model.forward(list(hit.tokens[:end]),
-                                        hit.key_fields.get("adapter", ""),
-                                        boundaries=boundaries)
-        blocks: list[BlockKV] = []
-        for ref in refs:
-            layers = self.engine.groups[ref.group_id].layers
-            if self._recurrent(ref.group_id):
-                state = out.boundary_states[ref.token_range(bs)[1]]
-                key = torch.stack([state[i] for i in layers])
-                blocks.append(BlockKV(ref, key, torch.empty(0, dtype=key.dtype)))
-                continue
-            start, stop = ref.token_range(bs)
-            blocks.append(BlockKV(
-                ref, torch.stack([out.kv[i][0][:, start:stop] for i in layers]),
-                torch.stack([out.kv[i][1][:, start:stop] for i in layers])))
-        return blocks
+        return recompute_hybrid(self.engine.model, self._info, hit, refs)
+
+    def remote_reference(self) -> Callable[[], HybridModelReference]:
+        """Optional capability (``dispatch = "process"``): the sidecar process builds the
+        same seeded model and recomputes with it."""
+        c = self.engine.config
+        return functools.partial(HybridModelReference, c.model_kind, c.model,
+                                 c.sliding_window, self._info)
 
     def allocator(self) -> AllocatorState:
         """The full-attention group's pool (every group is allocated alike)."""
@@ -158,6 +147,49 @@ class HybridReferenceAdapter:
                     sequences=sequences, generations=tuple([m.generation for m in metas]),
                     double_frees=pool.release_errors, reserved=tuple(sorted(null))))
         return tuple(out)
+
+
+def recompute_hybrid(model: HybridLM, info: EngineInfo, hit: Hit,
+                     refs: Sequence[BlockRef]) -> list[BlockKV]:
+    """The hybrid engines' recompute on ``model`` (see :meth:`HybridReferenceAdapter.
+    recompute`): attention blocks' K/V, a recurrent block's state after its last token."""
+    if not refs:
+        return []
+    bs = info.block_size
+    groups = {g.group_id: g for g in info.groups}
+    recurrent = {g for g, c in groups.items() if c.kind is GroupKind.RECURRENT_STATE}
+    end = recompute_end(info, hit, refs)
+    boundaries = sorted({ref.token_range(bs)[1] for ref in refs if ref.group_id in recurrent})
+    out = model.forward(list(hit.tokens[:end]), hit.key_fields.get("adapter", ""),
+                        boundaries=boundaries)
+    blocks: list[BlockKV] = []
+    for ref in refs:
+        layers = groups[ref.group_id].layers
+        if ref.group_id in recurrent:
+            state = out.boundary_states[ref.token_range(bs)[1]]
+            key = torch.stack([state[i] for i in layers])
+            blocks.append(BlockKV(ref, key, torch.empty(0, dtype=key.dtype)))
+            continue
+        start, stop = ref.token_range(bs)
+        blocks.append(BlockKV(
+            ref, torch.stack([out.kv[i][0][:, start:stop] for i in layers]),
+            torch.stack([out.kv[i][1][:, start:stop] for i in layers])))
+    return blocks
+
+
+class HybridModelReference:
+    """The hybrid engines' recompute in another process (``dispatch = "process"``): the
+    model built again from its kind, config and seed."""
+
+    reference_kind = "engine"  # the engine's own model code, weights and kernels
+
+    def __init__(self, kind: str, model: ModelConfig, sliding_window: int,
+                 info: EngineInfo) -> None:
+        self.model = HybridLM(kind, model, sliding_window)
+        self.info = info
+
+    def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
+        return recompute_hybrid(self.model, self.info, hit, refs)
 
 
 def make_adapter(engine: object) -> object:
