@@ -15,7 +15,8 @@ keeps only what must happen in the engine's process:
   once per ``allocator_every_s`` it also takes the allocator census (``allocator()`` and
   ``block_tables()`` under a time limit) and ships it behind the events before it.
 
-The sidecar process (:mod:`sidecar.adapters.remote.child`) runs the real Monitor: journal apply,
+The outbox and the shipper live in :mod:`.outbox`. The sidecar process (:mod:`.child`)
+runs the real Monitor: journal apply,
 verification against a reference it builds itself, reporting, HTTP. What a full outbox or
 a full pipe loses is counted by what it was (lookups, captures, other events) and rides on
 the next message, as the probe's losses do. Hostile hook input is refused by the same door
@@ -27,16 +28,24 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from itertools import groupby
-from operator import itemgetter
 from typing import Any
 
-from sidecar.adapters.remote import messages as C
+from sidecar.adapters.remote.outbox import (
+    ALLOCATE,
+    CAPTURE,
+    FREE,
+    LIFECYCLE,
+    LOOKUP,
+    RELEASE,
+    REQUEST,
+    STORE,
+    TIER,
+    WAKE_AT,
+    Outbox,
+)
 from sidecar.adapters.vllm.pipe import Pipe
-from sidecar.adapters.vllm.wire import capture_fields
 from sidecar.config.settings import SidecarConfig
 from sidecar.core import attach
 from sidecar.core import hook_input as HI
@@ -57,22 +66,10 @@ from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
 
-OUTBOX_LIMIT = 1 << 16  # events waiting for the shipper; past it they are dropped, counted
-SHIP_EVERY_S = 0.01  # how often the shipper drains the outbox when nobody wakes it
-WAKE_AT = 4096  # outbox length at which the engine's thread wakes the shipper
-RUN_ITEMS = 4096  # items per events message (the receiver caps a message at 2**18)
-
-# Outbox kinds: the ``events`` run each goes into (the child's handler of that name).
-LOOKUP, STORE, FREE, LIFECYCLE, REQUEST, TIER, CAPTURE, MARK, CENSUS = range(9)
-RUN_KINDS = {LOOKUP: "lookups", STORE: "block_stores", FREE: "block_frees",
-             LIFECYCLE: "lifecycle", REQUEST: "requests", TIER: "tiers"}
-ALLOCATE, RELEASE = 0, 1  # a lifecycle item's op
-
 _PLAIN, _MAX_TOKENS, _MAX_BLOCK = HI.PLAIN_SEQS, HI.MAX_TOKENS, HI.MAX_BLOCK_TOKENS
-_KIND = itemgetter(0)
 
 
-class EngineFront:
+class EngineFront(Outbox):
     """Implements :class:`sidecar.core.protocol.EventSink` (and the optional lifecycle and
     tier sinks) for an engine whose sidecar runs in another process (module docstring).
     ``hits_allowed`` is always true: protective actions need the Monitor in-process."""
@@ -242,21 +239,6 @@ class EngineFront:
         self._post((CAPTURE, lookup, hit, blocks))
         self._wake.set()  # a sampled hit goes out now, not at the next tick
 
-    # ------------------------------------------------------------------ outbox
-    def _post(self, event: tuple[Any, ...]) -> None:
-        """Queue ``event``; past :data:`WAKE_AT` waiting the shipper is woken, past
-        :data:`OUTBOX_LIMIT` the event is dropped and counted by what it was. The hooks
-        inline the common case (fewer than WAKE_AT waiting: an append)."""
-        box = self._outbox
-        n = len(box)
-        if n >= OUTBOX_LIMIT:
-            self.outbox_full["capture" if event[0] == CAPTURE else
-                              "lookups" if event[0] == LOOKUP else "events"] += 1
-            return
-        box.append(event)
-        if n >= WAKE_AT:
-            self._wake.set()
-
     def _refuse(self, hook: str, why: HI.InputReject | None) -> bool:
         if why is None:
             return False
@@ -271,154 +253,3 @@ class EngineFront:
             self.hook_errors[hook] += 1
         except Exception:
             pass
-
-    # ------------------------------------------------------------------ shipper thread
-    def start(self) -> EngineFront:
-        if self._shipper is None:
-            self._stop.clear()
-            self._shipper = threading.Thread(target=self._ship_loop, daemon=True,
-                                             name="kvsidecar-front-shipper")
-            self._shipper.start()
-        return self
-
-    def _ship_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(SHIP_EVERY_S)
-            self._wake.clear()
-            try:
-                self.ship()
-                if time.monotonic() >= self._next_census:
-                    self._next_census = time.monotonic() + self.config.allocator_every_s
-                    self.send_census()
-            except Exception:
-                self.ship_errors += 1
-                log.exception("kv-sidecar front: shipping failed (counted)")
-
-    def ship(self) -> int:
-        """Send what waits in the outbox, in order (the shipper's; :meth:`stop` too): runs
-        of one kind each, at most :data:`RUN_ITEMS` items a message; a capture, mark or
-        census goes out on its own, after everything before it."""
-        box = self._outbox
-        popleft = box.popleft
-        events = [popleft() for _ in range(len(box))]
-        runs: list[list[Any]] = []
-        total = 0
-        for kind, group in groupby(events, key=_KIND):
-            if kind >= CAPTURE:  # alone, after what came before
-                self._send_runs(runs)
-                runs, total = [], 0
-                for event in group:
-                    self._ship_one(event)
-                continue
-            run = list(group)
-            try:
-                if kind == STORE:
-                    items = [[b.group_id, b.block_id, b.generation, tokens, b.prefix_tokens,
-                              _fields(b.key_fields), b.parent_block_id, b.kv_digest, b.seq_id,
-                              b.prefix_digest, b.write_path] for _, b, tokens in run]
-                else:
-                    items = [e[1] for e in run]
-            except Exception as exc:  # a store whose fields cannot be read: counted, lost
-                self.outbox_full["events"] += len(run)
-                self._failed("on_store", exc)
-                continue
-            for at in range(0, len(items), RUN_ITEMS):
-                chunk = items[at:at + RUN_ITEMS] if len(items) > RUN_ITEMS else items
-                runs.append([RUN_KINDS[kind], {"items": chunk}])
-                total += len(chunk)
-                if total >= RUN_ITEMS:
-                    self._send_runs(runs)
-                    runs, total = [], 0
-        self._send_runs(runs)
-        self.shipped_events += len(events)
-        return len(events)
-
-    def _ship_one(self, event: tuple[Any, ...]) -> None:
-        if event[0] == CAPTURE:
-            self.captures_shipped += 1
-            self._send_capture(*event[1:])
-        elif event[0] == MARK:
-            self.pipe.send_message("mark", n=event[1])
-        else:
-            self.send_census()
-
-    def _send_runs(self, runs: list[list[Any]]) -> None:
-        if not runs:
-            return
-        try:
-            self.pipe.send_message("events", runs=runs)
-        except Exception:  # an item msgpack cannot hold (an int past 64 bits): counted lost
-            self.pipe.account_unsent("events", runs=runs)
-            self.ship_errors += 1
-
-    def _send_capture(self, lookup: Lookup, hit: Hit, blocks: list[BlockKV]) -> None:
-        """One sampled hit; one that cannot be packed is a dropped sample whose lookup is
-        still counted (the pipe's rule for a capture it could not send)."""
-        try:
-            fields = capture_fields(
-                f"front-{self._captures}", "hit", None, hit.tokens, lookup.query_tokens,
-                lookup.hit_tokens, {g: list(ids) for g, ids in hit.blocks.items()},
-                [(b.ref.group_id, b.ref.index, b.ref.block_id, b.key, b.value)
-                 for b in blocks])
-            fields.update(C.hit_extras(lookup, hit, blocks), key_fields=dict(hit.key_fields))
-            self.pipe.send_message("capture", **fields)
-        except Exception:
-            self.pipe.account_unsent("capture", query_tokens=lookup.query_tokens,
-                                     hit_tokens=lookup.hit_tokens)
-            self.ship_errors += 1
-
-    def send_census(self) -> None:
-        """The allocator's state and block tables, taken now under the adapter's time limit,
-        behind every event shipped before; with this front's own counts."""
-        state = tables = None
-        try:  # each call under the adapter's time limit, as the in-process poller's
-            state = self.guard.call("allocator", self.adapter.allocator)
-            if self._tables is not None:
-                tables = self.guard.call("block_tables", self._tables.block_tables)
-        except Exception as exc:
-            self._failed("census", exc)
-        try:
-            self.pipe.send_message("census", **C.census_fields(state, tables, self.counts()))
-        except Exception as exc:
-            self._failed("census", exc)
-
-    def counts(self) -> dict[str, Any]:
-        """What this front counted (totals since start): refused hook input, samples
-        dropped, hook errors, events the full outbox refused."""
-        return {"rejected": [[h, r, n] for (h, r), n in self.rejected.items()],
-                "dropped": dict(self.dropped), "hook_errors": dict(self.hook_errors),
-                "outbox_full": dict(self.outbox_full)}
-
-    def sync(self, mark: int) -> None:
-        """Queue ``mark`` behind every event so far and ship now (the caller then asks the
-        sidecar to wait for it: :meth:`sidecar.adapters.remote.process.SidecarProcess.drain`)."""
-        self._outbox.append((MARK, mark))
-        self.marks_sent = mark
-        self._wake.set()
-
-    def request_census(self) -> None:
-        """Queue a census behind every event so far (the shipper takes it)."""
-        self._outbox.append((CENSUS,))
-        self._wake.set()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Ship what waits, then stop the shipper and close the pipe."""
-        self._stop.set()
-        self._wake.set()
-        if self._shipper is not None:
-            self._shipper.join(timeout_s)
-            self._shipper = None
-        try:
-            self.ship()
-            self.send_census()
-        except Exception:
-            self.ship_errors += 1
-        self.pipe.close()
-
-
-
-def _fields(key_fields: Any) -> dict[str, Any] | None:
-    """A store's key fields as msgpack carries them (a dict; ``None`` when empty)."""
-    if type(key_fields) is dict:
-        return key_fields or None
-    return dict(key_fields) or None

@@ -21,7 +21,8 @@ from typing import Any
 
 from kvtestbed.bench.perf_hooks import CASES, SyntheticAdapter, summarize
 from kvtestbed.bench.perf_row import Row
-from sidecar.adapters.remote.front import OUTBOX_LIMIT, EngineFront
+from sidecar.adapters.remote.front import EngineFront
+from sidecar.adapters.remote.outbox import OUTBOX_LIMIT
 from sidecar.core.monitor import SidecarConfig
 
 # The cases the front can be timed on without a sampled capture (the capture is the same
