@@ -84,7 +84,7 @@ class Outbox:
                               "lookups" if event[0] == LOOKUP else "events"] += 1
             return
         box.append(event)
-        if n >= WAKE_AT:
+        if n >= WAKE_AT and not self._wake.is_set():  # set() takes a lock: once is enough
             self._wake.set()
 
     # ------------------------------------------------------------------ shipper thread

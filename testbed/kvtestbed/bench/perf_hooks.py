@@ -156,11 +156,19 @@ def _prestore(mon: Monitor, n: int) -> None:
         mon.on_store(stored(i))
 
 
+def _hits(n: int) -> list[tuple[Lookup]]:
+    """``n`` hit lookups cycling through 64 of them: an engine calls the hook on a lookup it
+    has just built, so its objects are in the cache. 50,000 distinct ones (2,048 token ints
+    each, over a GB) made every call a cold read: ~500 ns more per unsampled hit, for the
+    Monitor (793 vs 272 ns) and the front alike, none of it the hook's."""
+    base = [hit_lookup(i) for i in range(64)]
+    return [(base[i % 64],) for i in range(n)]
+
+
 CASES: tuple[HookCase, ...] = (
-    HookCase("on_lookup (hit, unsampled)", lambda s: s.on_lookup,
-             lambda n: [(hit_lookup(i % 64),) for i in range(n)]),
-    HookCase("on_lookup (hit, sampled)", lambda s: s.on_lookup,
-             lambda n: [(hit_lookup(i % 64),) for i in range(n)], sample_every=1),
+    HookCase("on_lookup (hit, unsampled)", lambda s: s.on_lookup, lambda n: _hits(n)),
+    HookCase("on_lookup (hit, sampled)", lambda s: s.on_lookup, lambda n: _hits(n),
+             sample_every=1),
     HookCase("on_lookup (miss)", lambda s: s.on_lookup,
              lambda n: [(Lookup(2048, 0),) for _ in range(n)]),
     HookCase("on_store", lambda s: s.on_store, lambda n: [(stored(i),) for i in range(n)]),
