@@ -233,6 +233,11 @@ def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
                                                 "%(name)s: %(message)s")
     parent = os.getppid()
     server = None
+    import torch
+
+    # One intra-op thread: the recompute must not take every core from the engine beside
+    # it (an in-process Monitor shares the engine's setting; a spawned process has its own).
+    torch.set_num_threads(1)
     try:
         sidecar = RemoteSidecar(endpoint, info, config, reference_factory()).start()
         if http is not None:
