@@ -16,10 +16,12 @@ front (:mod:`sidecar.adapters.remote.front`) over the probe pipe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,7 +88,7 @@ class RemoteSidecar:
     """A Monitor over :class:`RemoteAdapter`, fed by the front's pipe at ``endpoint``."""
 
     def __init__(self, endpoint: str, info: EngineInfo, config: SidecarConfig,
-                 reference: Any, registry: Any = None) -> None:
+                 reference: Any, registry: Any = None, source: str | None = None) -> None:
         self.adapter = RemoteAdapter(info, reference)
         # Polled once per census, as it arrives (below), never on a schedule or a nudge:
         # a poll of a census already checked would compare the engine's hit counter as of
@@ -104,7 +106,8 @@ class RemoteSidecar:
             groups=[g.group_id for g in info.groups],
             handlers={"block_stores": self._stores, "block_frees": self._frees,
                       "lifecycle": self._lifecycle, "requests": self._requests,
-                      "tiers": self._tiers, "census": self._census, "mark": self._mark})
+                      "tiers": self._tiers, "census": self._census, "mark": self._mark},
+            sources=None if source is None else [source])
         self._on_lookup, self._on_free = m.on_lookup, m.on_free
 
     def start(self) -> RemoteSidecar:
@@ -173,10 +176,15 @@ class RemoteSidecar:
             self.adapter.state = state
         if tables is not None:
             self.adapter.tables = tables
+        self._front_counts(counts)
         if state is not None or tables is not None:
             # every event before the census is applied (lookups are counted as they come):
             # the sidecar's count is then never ahead of the engine's counter in the census
             self.monitor.poll_allocator()
+
+    def _front_counts(self, counts: dict[str, Any]) -> None:
+        """The front's own totals (refused input, samples it dropped, its hook errors,
+        events lost before the pipe) into the signals an in-process Monitor counts them in."""
         for (hook, reason), n in counts["rejected"].items():
             if hook in HOOKS and reason in _REASONS:
                 self._grow(("rejected", hook, reason), n, S.HOOK_INPUT_REJECTED,
@@ -207,6 +215,8 @@ class RemoteSidecar:
         n = msg.get("n")
         if type(n) is not int:
             raise WireError("a mark is not an int")
+        if "counts" in msg:
+            self._front_counts(C.decode_counts(msg["counts"]))
         with self._marked:
             self.mark = max(self.mark, n)
             self._marked.notify_all()
@@ -225,7 +235,8 @@ class RemoteSidecar:
 
 def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
                reference_factory: Callable[[], Any], conn: Any,
-               http: dict[str, Any] | None = None, log_level: int = logging.WARNING) -> None:
+               http: dict[str, Any] | None = None, log_level: int = logging.WARNING,
+               source: str | None = None) -> None:
     """The sidecar process (spawned by :class:`sidecar.adapters.remote.process.SidecarProcess`).
     Answers ``(command, *args)`` on ``conn`` until ``stop`` or until the engine's process
     is gone; the first message it sends is ``("ready", url)`` or ``("failed", why)``."""
@@ -239,7 +250,8 @@ def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
     # it (an in-process Monitor shares the engine's setting; a spawned process has its own).
     torch.set_num_threads(1)
     try:
-        sidecar = RemoteSidecar(endpoint, info, config, reference_factory()).start()
+        sidecar = RemoteSidecar(endpoint, info, config, reference_factory(),
+                                source=source).start()
         if http is not None:
             from sidecar.core.health import monitor_health
             from sidecar.export.server import SidecarServer
@@ -260,6 +272,14 @@ def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
         if server is not None:
             server.stop()
         sidecar.stop()
+        _unlink(endpoint)
+
+
+def _unlink(endpoint: str) -> None:
+    """Remove an ipc endpoint's socket file (one was left in /tmp per run)."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(endpoint.removeprefix("ipc://"))
 
 
 def _serve(sidecar: RemoteSidecar, conn: Any, parent: int) -> None:
@@ -281,6 +301,8 @@ def _serve(sidecar: RemoteSidecar, conn: Any, parent: int) -> None:
                 reply: Any = sidecar.drain(int(args[0]), float(args[1]))
             elif cmd == "summary":
                 reply = m.summary()
+            elif cmd == "cpu":  # this process's CPU seconds (bench perf's figure)
+                reply = time.process_time()
             elif cmd == "health":
                 reply = m.health()
             else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,10 +47,11 @@ from sidecar.adapters.remote.outbox import (
     Outbox,
 )
 from sidecar.adapters.vllm.pipe import Pipe
+from sidecar.adapters.vllm.wire import MAX_ITEMS
 from sidecar.config.settings import SidecarConfig
 from sidecar.core import attach
 from sidecar.core import hook_input as HI
-from sidecar.core.hit_input import check_hit_shape
+from sidecar.core.hit_input import sanitized_hit
 from sidecar.core.protocol import (
     Adapter,
     BlockKV,
@@ -67,6 +69,7 @@ from sidecar.signals import DropReason
 log = logging.getLogger(__name__)
 
 _PLAIN, _MAX_TOKENS, _MAX_BLOCK = HI.PLAIN_SEQS, HI.MAX_TOKENS, HI.MAX_BLOCK_TOKENS
+_monotonic = time.monotonic
 
 
 class EngineFront(Outbox):
@@ -77,7 +80,7 @@ class EngineFront(Outbox):
     hits_allowed = True
 
     def __init__(self, adapter: Adapter, info: EngineInfo, config: SidecarConfig,
-                 endpoint: str, pipe_hwm: int = 256) -> None:
+                 endpoint: str, pipe_hwm: int = 256, src: str | None = None) -> None:
         self.info = info
         self.config = config
         self.adapter = adapter
@@ -89,7 +92,7 @@ class EngineFront(Outbox):
         self._tables = caps.introspection
         self._observe_store, self._observe_free = caps.observe_store, caps.observe_free
         self._observe_release = caps.observe_release
-        self.pipe = Pipe(endpoint, pipe_hwm)
+        self.pipe = Pipe(endpoint, pipe_hwm, src=src)  # src: the secret the sidecar knows
         self.guard = Guard(config.adapter_timeout_s)
         self._outbox: deque[tuple[Any, ...]] = deque()
         self._wake = threading.Event()
@@ -109,6 +112,9 @@ class EngineFront(Outbox):
         self._next_census = 0.0
         self.marks_sent = 0
         self.requests_posted = 0
+        m = config.allocator_check_min_interval_s  # NaN or < 0: no census on release
+        self._nudge_every = m if m == m and m >= 0 else 0.0
+        self._nudge_at: float | None = 0.0 if m == m and m >= 0 else None
 
     # ------------------------------------------------------------------ hooks (engine)
     def on_lookup(self, lookup: Lookup) -> None:
@@ -182,6 +188,11 @@ class EngineFront(Outbox):
                 (LIFECYCLE, (RELEASE, group_id, seq_id, tuple(block_ids), ())))
             if self._observe_release is not None:
                 self._observe_release(group_id, seq_id, block_ids)
+            # A release is where premature and double frees happen: a census soon, as the
+            # Monitor's nudged poll (at most one per allocator_check_min_interval_s).
+            if self._nudge_at is not None and _monotonic() >= self._nudge_at:
+                self._nudge_at = _monotonic() + self._nudge_every
+                self.request_census()
         except Exception as exc:
             self._failed("on_release", exc)
 
@@ -217,18 +228,28 @@ class EngineFront(Outbox):
             self.dropped[DropReason.QUEUE_FULL.value] += 1
             self._post((LOOKUP, (q, h)))
             return
-        why = HI.check_lookup(lookup) or check_hit_shape(hit, self.info.groups)
-        if why is not None:
-            self._refuse("on_lookup", why)
+        # Off the engine's thread in-process (the verifier's), here: there is no later
+        # read. Sampled hits only; the same reasons are counted and the lookup still is.
+        copy, why = sanitized_hit(hit, self.info.groups)
+        why = HI.check_lookup(lookup) or why
+        if why is not None or copy is None:
+            self._refuse("on_lookup", why or HI.InputReject.TYPE)
+            self._post((LOOKUP, (q, h)))
             return
-        refs = tuple(self.sampler.choose(hit, self.info.block_size,
-                                         self.config.blocks_per_sample, self.info.groups))
         blocks: list[BlockKV] = []
-        if refs:
-            try:
-                blocks = [b for b in self._capture(hit, refs) if b.ref in refs]
-            except Exception as exc:
-                self._failed("capture", exc)
+        try:
+            refs = tuple(self.sampler.choose(copy, self.info.block_size,
+                                             self.config.blocks_per_sample, self.info.groups))
+            end = max([r.token_range(self.info.block_size)[1] for r in refs], default=0)
+            if refs and max(end, copy.hit_tokens, *map(len, copy.blocks.values())) > MAX_ITEMS:
+                # past what one capture message holds (the wire's cap): dropped, counted
+                self.dropped[DropReason.CAPTURE_TOO_LARGE.value] += 1
+                refs = ()
+            if refs:
+                blocks = [b for b in self._capture(copy, refs) if b.ref in refs]
+        except Exception as exc:  # the adapter could not copy them: no later read either
+            self._failed("capture", exc)
+            self.dropped[DropReason.ADAPTER_ERROR.value] += 1
         size = sum(b.key.nbytes + b.value.nbytes for b in blocks)
         if not blocks or size > self.config.capture_max_bytes:
             if blocks:
@@ -236,7 +257,7 @@ class EngineFront(Outbox):
             self._post((LOOKUP, (q, h)))
             return
         self._captures += 1
-        self._post((CAPTURE, lookup, hit, blocks))
+        self._post((CAPTURE, lookup, copy, blocks))
         self._wake.set()  # a sampled hit goes out now, not at the next tick
 
     def _refuse(self, hook: str, why: HI.InputReject | None) -> bool:

@@ -155,8 +155,8 @@ class Outbox:
         if event[0] == CAPTURE:
             self.captures_shipped += 1
             self._send_capture(*event[1:])
-        elif event[0] == MARK:
-            self.pipe.send_message("mark", n=event[1])
+        elif event[0] == MARK:  # with this front's counts: current once a drain returns
+            self.pipe.send_message("mark", n=event[1], counts=self.counts())
         else:
             self.send_census()
 

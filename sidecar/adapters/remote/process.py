@@ -18,8 +18,11 @@ circuit breaker, quarantine), the scrubber (it reads blocks on its own schedule)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
+import secrets
 import tempfile
 import threading
 import uuid
@@ -58,14 +61,24 @@ class SidecarProcess:
                 "not: use dispatch = 'queued'")
         self.endpoint = endpoint or (f"ipc://{tempfile.gettempdir()}/kvsidecar-"
                                      f"{uuid.uuid4().hex[:12]}.sock")
+        path = self.endpoint.removeprefix("ipc://")
+        if self.endpoint.startswith("ipc://") and os.path.exists(path):
+            # binding would take the socket from whoever listens there (their traffic and
+            # ours mixed: a false hit_counter_mismatch in an outside check)
+            raise SidecarProcessError(f"{self.endpoint} is in use (a socket file is there); "
+                                      "leave endpoint unset for a fresh one")
+        # The front's messages carry it as their src; the sidecar process accepts no other
+        # sender (any process of the same user may connect to the 0600 socket).
+        secret = secrets.token_hex(16)
         ctx = multiprocessing.get_context("spawn")  # never fork a process with threads
         self._conn, child_conn = ctx.Pipe()
         http = None if port is None else {"port": port, "token": token}
         self.process = ctx.Process(
             target=child_main, name="kv-sidecar", daemon=True,
             args=(self.endpoint, self.info, self.config, factory(), child_conn, http,
-                  logging.getLogger().getEffectiveLevel()))
-        self.front = EngineFront(adapter, self.info, self.config, self.endpoint)
+                  logging.getLogger().getEffectiveLevel(), secret))
+        self.front = EngineFront(adapter, self.info, self.config, self.endpoint, src=secret)
+        self._state = "new"  # -> running -> stopped
         self.url: str | None = None
         self._mark = 0
         self._lock = threading.Lock()
@@ -76,7 +89,13 @@ class SidecarProcess:
         return self.front.requests_posted
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> SidecarProcess:
-        """Spawn the sidecar process and wait until it listens; then start shipping."""
+        """Spawn the sidecar process and wait until it listens; then start shipping.
+        Idempotent while running; a stopped one cannot start again (make a new one)."""
+        if self._state == "running":
+            return self
+        if self._state == "stopped":
+            raise SidecarProcessError("this sidecar process was stopped: start a new one")
+        self._state = "running"
         self.process.start()
         if not self._conn.poll(timeout_s):
             self.process.kill()
@@ -90,6 +109,7 @@ class SidecarProcess:
                 "a script that starts one needs an `if __name__ == \"__main__\":` guard "
                 "(the process is spawned)") from None
         if status != "ready":
+            self.front.pipe.close()
             self.process.join(5)
             raise SidecarProcessError(f"the sidecar process failed to start: {detail}")
         self.url = detail
@@ -129,8 +149,17 @@ class SidecarProcess:
     def health(self) -> dict[str, Any]:
         return dict(self._call("health"))
 
+    def cpu_seconds(self) -> float:
+        """The sidecar process's CPU time so far (``time.process_time`` there)."""
+        return float(self._call("cpu"))
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ship what waits, stop the sidecar process (killed past ``timeout_s``)."""
+        """Ship what waits, stop the sidecar process (killed past ``timeout_s``), remove
+        its socket file. Idempotent; a no-op before :meth:`start`."""
+        if self._state != "running":
+            self._state = "stopped"
+            return
+        self._state = "stopped"
         self.front.stop()
         try:
             if self.process.is_alive():
@@ -141,3 +170,6 @@ class SidecarProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)
+        if self.endpoint.startswith("ipc://"):  # the child removes it, unless it was killed
+            with contextlib.suppress(OSError):
+                os.unlink(self.endpoint.removeprefix("ipc://"))

@@ -85,12 +85,16 @@ class ProbeReceiver:
                  context: zmq.Context | None = None,
                  ipc_dirs: tuple[str, ...] | None = None,
                  groups: Iterable[int] | None = None,
-                 handlers: Mapping[str, Callable[[dict[str, Any]], None]] | None = None
-                 ) -> None:
+                 handlers: Mapping[str, Callable[[dict[str, Any]], None]] | None = None,
+                 sources: Iterable[str] | None = None) -> None:
         check_endpoint(endpoint, IPC_DIRS if ipc_dirs is None else ipc_dirs)
         # Cache groups the engine has (describe()): a capture naming another is refused,
         # so a sender cannot choose the group label of what gets verified.
         self.groups = frozenset(groups) if groups is not None else None
+        # The only senders accepted, where the owner knows them (an in-process engine's
+        # front names a secret src the sidecar process got on spawn): any other process of
+        # the same user on the socket is refused, counted as a bad message.
+        self.sources = frozenset(sources) if sources is not None else None
         self.endpoint = endpoint
         self.metrics = metrics
         metrics.register(S.VLLM_SIGNALS)  # the vLLM adapter's own signals
@@ -174,6 +178,8 @@ class ProbeReceiver:
         self.last_message_at = time.monotonic()
         try:
             msg = unpack(data)
+            if self.sources is not None and msg.get("src") not in self.sources:
+                raise WireError("a message from a sender this sidecar does not know")
             self._account_drops(msg)
             kind = msg["kind"]
             if kind == "events":

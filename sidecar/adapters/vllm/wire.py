@@ -128,7 +128,9 @@ def _is_int(v: Any) -> bool:
 
 
 def _int_list(v: Any, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) > MAX_ITEMS or not all(_is_int(x) for x in v):
+    if isinstance(v, list) and len(v) > MAX_ITEMS:
+        raise WireError(f"{what}: {len(v)} items, over the cap of {MAX_ITEMS}")
+    if not isinstance(v, list) or not all(_is_int(x) for x in v):
         raise WireError(f"{what} is not a list of ints")
     return v
 

@@ -113,7 +113,6 @@ def run_engine(requests: int, sample_every: int | None, seed: int = 0,
 def _run_process(engine: ReferenceEngine, requests: int, sample_every: int, seed: int,
                  time_lookups: bool, unlimited_budget: bool) -> dict[str, Any]:
     """:func:`run_engine` with ``dispatch="process"`` (see there)."""
-    from kvtestbed.bench.proc_cost import process_cpu_s
     from sidecar.adapters.remote.process import SidecarProcess
 
     cfg = SidecarConfig(sample_every=sample_every, seed=seed, dispatch="process",
@@ -126,16 +125,15 @@ def _run_process(engine: ReferenceEngine, requests: int, sample_every: int, seed
     if time_lookups:
         _time_lookups(front, lookup_ns, lookup_sampled, take="_sampled")
     engine.sink = front
-    pid = sidecar.process.pid
     try:
         workload = _workload(engine, seed, requests)
-        side0 = process_cpu_s(pid)
+        side0 = sidecar.cpu_seconds()  # its own process_time: /proc's 10 ms ticks read 0
         wall0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
         results = drive(engine, workload, max_requests=requests)
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         sidecar.drain(timeout_s=120)
         process_cpu = time.process_time() - proc0
-        side = process_cpu_s(pid) - side0
+        side = sidecar.cpu_seconds() - side0
         counts = sidecar.summary()
     finally:
         sidecar.stop()
