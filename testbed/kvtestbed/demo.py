@@ -162,11 +162,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
               f"metrics at {server.url}/metrics", file=sys.stderr, flush=True)
     monitor.start()
     try:
-        fault_start = drive_demo(engine, opts, monitor)
-        monitor.drain(timeout_s=120)
-        monitor.poll_allocator()
-        summary = monitor.summary()
-        summary.update(demo_extras(engine, opts, summary, fault_start))
+        summary = drive_and_summarize(engine, opts, monitor)
         if opts.hold_s > 0:
             if opts.progress:
                 print(f"holding {server.url}/metrics for {opts.hold_s:g}s", file=sys.stderr,
@@ -182,11 +178,13 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             push.shutdown()
 
 
-def drive_demo(engine: ReferenceEngine, opts: DemoOptions,
-               monitor: Monitor | SidecarProcess) -> int | None:
-    """The seeded chat workload through ``engine``, progress shown; returns the fault's
-    start: requests completed (the monitor's count, the unit of every "request index" in
-    the summary) before the step in which the fault first acted, a lower bound, so the
+def drive_and_summarize(engine: ReferenceEngine, opts: DemoOptions,
+                        monitor: Monitor | SidecarProcess) -> dict[str, Any]:
+    """The seeded chat workload through ``engine`` (progress shown), then the sidecar's
+    summary once it has verified everything and checked the allocator a last time, with
+    what only the demo knows (:func:`demo_extras`). The fault's start is counted in
+    requests completed (the monitor's count, the unit of every "request index" in the
+    summary) before the step in which the fault first acted: a lower bound, so the
     detection delays reported from it are never too short."""
     progress = Progress(opts.requests, opts.progress)
     workload = ChatWorkload(WorkloadConfig(seed=opts.seed,
@@ -206,7 +204,11 @@ def drive_demo(engine: ReferenceEngine, opts: DemoOptions,
             time.sleep(opts.pace_s)
 
     drive(engine, workload, max_requests=opts.requests, on_result=on_result)
-    return fault_start
+    monitor.drain(timeout_s=120)
+    monitor.poll_allocator()
+    summary = monitor.summary()
+    summary.update(demo_extras(engine, opts, summary, fault_start))
+    return summary
 
 
 def run_process_demo(opts: DemoOptions) -> dict[str, Any]:
@@ -219,11 +221,7 @@ def run_process_demo(opts: DemoOptions) -> dict[str, Any]:
               f"{sidecar.process.pid}; metrics at {sidecar.url}/metrics", file=sys.stderr,
               flush=True)
     try:
-        fault_start = drive_demo(engine, opts, sidecar)
-        sidecar.drain(timeout_s=120)
-        sidecar.poll_allocator()
-        summary = sidecar.summary()
-        summary.update(demo_extras(engine, opts, summary, fault_start))
+        summary = drive_and_summarize(engine, opts, sidecar)
         summary["dispatch"] = "process"
         if opts.hold_s > 0:
             time.sleep(opts.hold_s)
