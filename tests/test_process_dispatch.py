@@ -323,11 +323,16 @@ def test_a_sampled_hit_the_front_cannot_take_is_still_a_lookup(tmp_path: Any) ->
                 Hit(list(range(64)), 64, {0: [0, 2**70, 2, 3]}),
                 Hit(big, len(big), {0: list(range(len(big) // 16))})):
         front.on_lookup(Lookup(len(hit.tokens), hit.hit_tokens, hit))
+    # a prompt past the cap whose hit is not: sent with the tokens the checks read
+    front.on_lookup(Lookup(len(big), 64, Hit(big, 64, {0: [0, 1, 2, 3]})))
     assert sum(front.rejected.values()) == 2
     assert front.dropped["capture_too_large"] == 1 and not front.hook_errors
-    assert front.ship() == 3
-    lookups = [i for m in _received(pull) for k, f in m.get("runs", []) if k == "lookups"
+    assert front.ship() == 4
+    got = _received(pull)
+    lookups = [i for m in got for k, f in m.get("runs", []) if k == "lookups"
                for i in f["items"]]
     assert len(lookups) == 3
+    (capture,) = [m for m in got if m["kind"] == "capture"]
+    assert capture["hit_tokens"] == 64 and len(capture["tokens"]) == 64
     front.pipe.close()
     pull.close(0)

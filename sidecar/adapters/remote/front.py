@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sidecar.adapters.remote.outbox import (
@@ -240,8 +241,10 @@ class EngineFront(Outbox):
         try:
             refs = tuple(self.sampler.choose(copy, self.info.block_size,
                                              self.config.blocks_per_sample, self.info.groups))
+            # the tokens the checks read (the hit's and the chosen blocks'), copied now
             end = max([r.token_range(self.info.block_size)[1] for r in refs], default=0)
-            if refs and max(end, copy.hit_tokens, *map(len, copy.blocks.values())) > MAX_ITEMS:
+            copy = replace(copy, tokens=copy.tokens[:max(end, copy.hit_tokens)])
+            if refs and max(len(copy.tokens), *map(len, copy.blocks.values())) > MAX_ITEMS:
                 # past what one capture message holds (the wire's cap): dropped, counted
                 self.dropped[DropReason.CAPTURE_TOO_LARGE.value] += 1
                 refs = ()
