@@ -155,9 +155,8 @@ def test_only_the_front_is_heard_and_the_lifecycle_is_safe(tmp_path: Any) -> Non
     engine = _engine()
     sidecar = SidecarProcess(ReferenceAdapter(engine), dataclasses.replace(
         sidecar_config(_opts("none", "process")), sample_every=2), port=0)
-    sidecar.stop()  # before start: nothing to stop
-    sidecar = SidecarProcess(ReferenceAdapter(engine), dataclasses.replace(
-        sidecar_config(_opts("none", "process")), sample_every=2), port=0).start()
+    sidecar.stop()  # before start: nothing to stop, and it can still start
+    sidecar.start()
     path = sidecar.endpoint.removeprefix("ipc://")
     try:
         assert sidecar.start() is sidecar  # running: idempotent
@@ -336,3 +335,29 @@ def test_a_sampled_hit_the_front_cannot_take_is_still_a_lookup(tmp_path: Any) ->
     assert capture["hit_tokens"] == 64 and len(capture["tokens"]) == 64
     front.pipe.close()
     pull.close(0)
+
+
+def test_an_engine_that_exits_without_stop_leaves_no_socket(tmp_path: Any) -> None:
+    """Stopped at the interpreter's exit (an outside check found socket files left in /tmp
+    after a normal exit or an uncaught exception, which then made the endpoint 'in use')."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import sys\n"
+        "from kvtestbed.adapters.paged_adapter import ReferenceAdapter\n"
+        "from kvtestbed.engines.engine import EngineConfig, ReferenceEngine\n"
+        "from sidecar.adapters.remote.process import SidecarProcess\n"
+        "if __name__ == '__main__':\n"
+        "    s = SidecarProcess(ReferenceAdapter(ReferenceEngine(EngineConfig()))).start()\n"
+        "    print(s.endpoint, flush=True)\n"
+        "    raise SystemExit(int(sys.argv[1]))\n")
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(["testbed", os.environ.get("PYTHONPATH", "")])}
+    for code in (0, 3):
+        out = subprocess.run([sys.executable, str(script), str(code)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == code, out.stderr[-2000:]
+        path = out.stdout.strip().removeprefix("ipc://")
+        assert path and not os.path.exists(path)

@@ -18,6 +18,7 @@ circuit breaker, quarantine), the scrubber (it reads blocks on its own schedule)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -96,6 +97,9 @@ class SidecarProcess:
         if self._state == "stopped":
             raise SidecarProcessError("this sidecar process was stopped: start a new one")
         self._state = "running"
+        # an engine that exits without stop() still stops it (multiprocessing would
+        # terminate the daemon process, leaving its socket file behind)
+        atexit.register(self.stop)
         self.process.start()
         if not self._conn.poll(timeout_s):
             self.process.kill()
@@ -156,10 +160,10 @@ class SidecarProcess:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ship what waits, stop the sidecar process (killed past ``timeout_s``), remove
         its socket file. Idempotent; a no-op before :meth:`start`."""
-        if self._state != "running":
-            self._state = "stopped"
+        if self._state != "running":  # never started, or stopped already: nothing to do
             return
         self._state = "stopped"
+        atexit.unregister(self.stop)
         self.front.stop()
         try:
             if self.process.is_alive():

@@ -200,8 +200,10 @@ class ProbeReceiver:
         except Exception as exc:
             self.bad_messages += 1
             self.metrics.inc(S.HOOK_ERRORS, hook=BAD_MESSAGE_HOOK)
-            log.warning("bad kv-sidecar probe message skipped: %s: %s",
-                        type(exc).__name__, exc)
+            n = self.bad_messages
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood of them is no log flood
+                log.warning("bad kv-sidecar probe message skipped (%d so far): %s: %s",
+                            n, type(exc).__name__, exc)
 
     def _events(self, runs: Any, src: Any) -> None:
         """An ordered batch (SGLang's tap: its outbox in one message): ``[[kind, fields],

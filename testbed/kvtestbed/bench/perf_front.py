@@ -13,8 +13,10 @@ figures (``bench perf``'s engine figure reports the sidecar process's CPU apart)
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
+import os
 import tempfile
 import time
 import uuid
@@ -102,6 +104,8 @@ def front_costs(n: int, repeats: int) -> dict[str, Any]:
         drain.join(10)
         if drain.is_alive():
             drain.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(endpoint.removeprefix("ipc://"))
 
 
 def process_rows(quick: bool, repeats: int, raw: dict[str, Any],
