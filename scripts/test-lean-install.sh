@@ -84,7 +84,8 @@ import sys
 
 import sidecar
 
-GATED = ("sidecar.adapters.vllm", "sidecar.adapters.sglang")
+# the probe pipe's users: vLLM's probe, SGLang's tap, dispatch = "process" (the events extra)
+GATED = ("sidecar.adapters.vllm", "sidecar.adapters.sglang", "sidecar.adapters.remote")
 EXTRA_MODULES = {"transformers", "zmq", "msgpack", "vllm", "sglang"}
 runtime = gated = 0
 for info in pkgutil.walk_packages(sidecar.__path__, "sidecar."):
