@@ -186,6 +186,16 @@ def test_only_the_front_is_heard_and_the_lifecycle_is_safe(tmp_path: Any) -> Non
     assert not os.path.exists(path)
     with pytest.raises(SidecarProcessError, match="stopped"):
         sidecar.start()
+    # a /metrics port that is taken: a clear error, and no socket left behind
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        failed = SidecarProcess(ReferenceAdapter(engine), port=taken.getsockname()[1])
+        with pytest.raises(SidecarProcessError, match="failed to start"):
+            failed.start()
+    assert not os.path.exists(failed.endpoint.removeprefix("ipc://"))
 
 
 def test_refused_where_it_cannot_run() -> None:

@@ -244,6 +244,7 @@ def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
                                                 "%(name)s: %(message)s")
     parent = os.getppid()
     server = None
+    sidecar: RemoteSidecar | None = None
     import torch
 
     # One intra-op thread: the recompute must not take every core from the engine beside
@@ -261,11 +262,16 @@ def child_main(endpoint: str, info: EngineInfo, config: SidecarConfig,
                                    token=http.get("token"), health=lambda: monitor_health(
                                        m, {"front_pipe": lambda: sidecar.receiver.alive})
                                    ).start()
-    except Exception as exc:
+    except Exception as exc:  # e.g. the /metrics port is taken: nothing left behind
         log.exception("kv-sidecar process failed to start")
+        if sidecar is not None:
+            with contextlib.suppress(Exception):
+                sidecar.stop()
+        _unlink(endpoint)
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", server.url if server is not None else None))
+    assert sidecar is not None
     try:
         _serve(sidecar, conn, parent)
     finally:

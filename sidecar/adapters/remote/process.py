@@ -101,6 +101,19 @@ class SidecarProcess:
         # terminate the daemon process, leaving its socket file behind)
         atexit.register(self.stop)
         self.process.start()
+        try:
+            detail = self._ready(timeout_s)
+        except SidecarProcessError:
+            self._state = "stopped"  # nothing to stop: the process is gone or killed
+            atexit.unregister(self.stop)
+            self.front.pipe.close()
+            raise
+        self.url = detail
+        self.front.start()
+        return self
+
+    def _ready(self, timeout_s: float) -> str | None:
+        """The sidecar process's first word: its /metrics URL, or why it did not start."""
         if not self._conn.poll(timeout_s):
             self.process.kill()
             raise SidecarProcessError(f"the sidecar process did not start in {timeout_s:g}s")
@@ -113,12 +126,9 @@ class SidecarProcess:
                 "a script that starts one needs an `if __name__ == \"__main__\":` guard "
                 "(the process is spawned)") from None
         if status != "ready":
-            self.front.pipe.close()
             self.process.join(5)
             raise SidecarProcessError(f"the sidecar process failed to start: {detail}")
-        self.url = detail
-        self.front.start()
-        return self
+        return detail
 
     def _call(self, cmd: str, *args: Any, timeout_s: float = 60.0) -> Any:
         with self._lock:
