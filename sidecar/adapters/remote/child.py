@@ -100,7 +100,6 @@ class RemoteSidecar:
         self.mark = 0
         self._marked = threading.Condition()
         self._counts: dict[tuple[str, ...], int] = {}  # the front's totals, as last seen
-        m = self.monitor
         self.receiver = ProbeReceiver(
             endpoint, self.metrics, self._on_lookups, self._on_capture,
             groups=[g.group_id for g in info.groups],
@@ -108,7 +107,6 @@ class RemoteSidecar:
                       "lifecycle": self._lifecycle, "requests": self._requests,
                       "tiers": self._tiers, "census": self._census, "mark": self._mark},
             sources=None if source is None else [source])
-        self._on_lookup, self._on_free = m.on_lookup, m.on_free
 
     def start(self) -> RemoteSidecar:
         self.receiver.start()
@@ -121,7 +119,7 @@ class RemoteSidecar:
 
     # ------------------------------------------------------------------ messages
     def _on_lookups(self, items: list[tuple[int, int]]) -> None:
-        on_lookup = self._on_lookup
+        on_lookup = self.monitor.on_lookup
         for q, h in items:
             on_lookup(Lookup(q, h))
 
@@ -145,7 +143,7 @@ class RemoteSidecar:
                                  seq, pdigest, path))
 
     def _frees(self, msg: dict[str, Any]) -> None:
-        on_free = self._on_free
+        on_free = self.monitor.on_free
         for g, ids in self._items(msg, 2):
             on_free(g, ids)
 

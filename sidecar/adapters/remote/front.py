@@ -108,10 +108,8 @@ class EngineFront(Outbox):
         # events lost before the pipe, by kind: the full outbox refused them, or (events)
         # a store whose fields could not be read for shipping
         self.outbox_full = Counter[str]()
-        self.shipped_events = 0
         self.ship_errors = 0
         self._next_census = 0.0
-        self.marks_sent = 0
         self.requests_posted = 0
         m = config.allocator_check_min_interval_s  # NaN or < 0: no census on release
         self._nudge_every = m if m == m and m >= 0 else 0.0

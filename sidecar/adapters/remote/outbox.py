@@ -67,10 +67,8 @@ class Outbox:
     dropped: Counter[str]
     hook_errors: Counter[str]
     outbox_full: Counter[str]
-    shipped_events: int
     ship_errors: int
     _next_census: float
-    marks_sent: int
 
     def _failed(self, hook: str, exc: Exception) -> None:
         raise NotImplementedError  # the front's
@@ -148,7 +146,6 @@ class Outbox:
                     self._send_runs(runs)
                     runs, total = [], 0
         self._send_runs(runs)
-        self.shipped_events += len(events)
         return len(events)
 
     def _ship_one(self, event: tuple[Any, ...]) -> None:
@@ -211,7 +208,6 @@ class Outbox:
         """Queue ``mark`` behind every event so far and ship now (the caller then asks the
         sidecar to wait for it: :meth:`sidecar.adapters.remote.process.SidecarProcess.drain`)."""
         self._outbox.append((MARK, mark))
-        self.marks_sent = mark
         self._wake.set()
 
     def request_census(self) -> None:
