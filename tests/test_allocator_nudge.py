@@ -1,4 +1,4 @@
-"""Nudged allocator polls run as APScheduler one-shot jobs (sidecar/allocator/poller.py): a
+"""Nudged allocator polls run on the poller's nudge thread (sidecar/allocator/poller.py): a
 nudge polls soon, nudges while one is due collapse into it, a nudge during a poll asks for
 exactly one more, ``min_interval_s`` spaces them, and ``< 0`` turns them off."""
 
@@ -104,8 +104,8 @@ def test_a_negative_interval_turns_nudged_polls_off() -> None:
 
 def test_a_nudge_while_one_waits_behind_a_poll_is_never_lost() -> None:
     """A nudged poll waiting for the lock still counts as due: a nudge then collapses into it
-    instead of adding a third instance, which the scheduler would refuse, leaving nudges
-    "due" for good (the allocator demo then polled 14 times in 150 requests)."""
+    instead of adding a third (with APScheduler one-shot jobs, a refused third left nudges
+    "due" for good: the allocator demo then polled 14 times in 150 requests)."""
     adapter = Counting()
     poller = _poller(adapter, 0.0)
     poller.start()
@@ -113,8 +113,7 @@ def test_a_nudge_while_one_waits_behind_a_poll_is_never_lost() -> None:
         adapter.release.clear()
         poller.nudge()
         assert adapter.entered.wait(HANG_S)  # the first nudged poll, held open
-        poller.nudge()  # one more, queued behind it
-        _wait(lambda: not poller._scheduler.get_jobs())  # it started: it waits on the lock
+        poller.nudge()  # one more, asked for while the first runs
         for _ in range(10):
             poller.nudge()
         adapter.release.set()
@@ -125,21 +124,17 @@ def test_a_nudge_while_one_waits_behind_a_poll_is_never_lost() -> None:
         poller.stop()
 
 
-def test_a_one_shot_job_removed_while_shutting_down_is_not_an_error() -> None:
-    """APScheduler 3 removes a one-shot (nudge) job after running it; when the poller's stop
-    shut the scheduler down meanwhile, the job store is already empty and its thread raised
-    JobLookupError (beside two CPU hogs, a warning in the suite). Stopping, that is nothing;
-    running, a missing job is still an error."""
-    import pytest
-    from apscheduler.jobstores.base import JobLookupError
-
-    from sidecar.allocator.poller import _scheduler
-
-    sched = _scheduler()
-    sched.start()
-    try:
-        with pytest.raises(JobLookupError):
-            sched.remove_job("no-such-job")
-    finally:
-        sched.shutdown(wait=False)
-    sched.remove_job("no-such-job")  # stopped: the store went with the scheduler
+def test_a_restarted_poller_polls_on_nudges_and_a_stop_ends_its_thread() -> None:
+    adapter = Counting()
+    poller = _poller(adapter, 0.0)
+    for round_ in (1, 2):
+        poller.start()
+        thread = poller._nudger
+        assert thread is not None and thread.is_alive() and poller.alive
+        poller.nudge()
+        _wait(lambda: poller.nudged_polls == round_)  # noqa: B023 (waited on here)
+        poller.stop()
+        thread.join(HANG_S)
+        assert not thread.is_alive()
+        poller.nudge()  # stopped: nothing runs
+    assert poller.nudged_polls == 2 and adapter.tables == 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sidecar.checks.content import check_content
-from sidecar.checks.fingerprint import check_fingerprint, kv_digest
+from sidecar.checks.fingerprint import PoolDigests, check_fingerprint, kv_digest
 from sidecar.checks.keys import StoreRecord, check_keys, hit_digests, token_digest
 from sidecar.checks.recompute import block_error, normalized_error
 from sidecar.checks.structure import check_structure
@@ -62,6 +62,22 @@ def test_fingerprint_catches_a_single_low_mantissa_bit(dtype):
     assert kinds(found) == {AnomalyKind.FINGERPRINT_MISMATCH}
     # ...which a tolerance-based compare cannot see:
     assert normalized_error(b.value, block(dtype).value) < tolerance_for(str(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pool_digests_equal_kv_digest_of_each_block_and_see_one_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(3, 5, 2, 4, 8, generator=g).to(dtype)  # (layers, blocks, ...)
+    value = torch.randn(3, 5, 2, 4, 8, generator=g).to(dtype)
+    digests = PoolDigests(key, value)
+    for b in range(5):
+        assert digests(b) == kv_digest(key[:, b].clone(), value[:, b].clone())
+    before = digests(2)
+    key.view(torch.int16 if dtype != torch.float32 else torch.int32)[2, 2, 1, 3, 7] ^= 1
+    assert digests(2) != before  # read in place: the pool's bytes now
+    assert digests(1) == kv_digest(key[:, 1].clone(), value[:, 1].clone())
+    with pytest.raises(ValueError, match="contiguous host"):
+        PoolDigests(key.transpose(0, 1), value)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -159,6 +159,22 @@ def test_hung_allocator_does_not_get_reads_refused() -> None:
     release.set()
 
 
+def test_guard_reuses_a_worker_not_a_stuck_one_and_idle_ones_end(monkeypatch) -> None:
+    from sidecar.core import time_limits
+
+    monkeypatch.setattr(time_limits, "IDLE_S", 0.2)
+    g = Guard(0.05)
+    first = g.call("allocator", threading.current_thread)
+    assert g.call("block_tables", threading.current_thread) is first  # reused, not new
+    release = threading.Event()
+    with pytest.raises(AdapterTimeout):
+        g.call("read", release.wait, 30)  # first's worker, now stuck
+    assert g.call("read", threading.current_thread) is not first  # stuck: not handed out
+    release.set()
+    first.join(10)  # the stuck call finishes, its worker idles, then ends
+    assert not first.is_alive() and g.stuck == 0
+
+
 def test_unasked_blocks_ignored_missing_blocks_dropped_samples_counted() -> None:
     engine, adapter, mon = make_toy()
     real_read = adapter.read

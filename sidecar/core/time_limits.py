@@ -1,11 +1,13 @@
 """Time limits on adapter calls: a hung engine call must never hang the sidecar.
 
-Python cannot kill a thread, so each guarded call runs on a daemon thread of its own and the
-caller waits at most ``timeout_s``. A call that overstays is abandoned (it finishes or not
-on its own); while ``max_stuck`` abandoned calls *of the same operation* are still running,
-further calls of that operation are refused at once instead of piling up threads behind a
-wedged engine. Each operation has its own budget: a hung ``allocator()`` must not get
-``read()`` refused.
+Python cannot kill a thread, so each guarded call runs on a daemon worker thread and the
+caller waits at most ``timeout_s``. Workers are reused while they finish in time (an idle one
+ends after ``IDLE_S``): a thread started and ended per call cost each allocator poll two
+thread lifecycles, half its time. A call that overstays is abandoned (it finishes or not
+on its own, its worker not reused until then); while ``max_stuck`` abandoned calls *of the
+same operation* are still running, further calls of that operation are refused at once
+instead of piling up threads behind a wedged engine. Each operation has its own budget: a
+hung ``allocator()`` must not get ``read()`` refused.
 
 Whatever the adapter raises comes back to the caller as an ``Exception``: a ``SystemExit``
 or ``KeyboardInterrupt`` raised inside an adapter call is wrapped in :class:`AdapterExit`,
@@ -14,11 +16,15 @@ so it can never unwind (and kill) the verifier or poller thread that made the ca
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+IDLE_S = 10.0  # an idle worker ends after this long without a call
+MAX_IDLE = 4  # idle workers kept per Guard (more end as they finish)
 
 
 class AdapterTimeout(TimeoutError):
@@ -42,6 +48,7 @@ class Guard:
         self.max_stuck = max_stuck
         self._stuck: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
 
     @property
     def stuck(self) -> int:
@@ -58,11 +65,14 @@ class Guard:
             stuck = self._stuck.get(op, 0)
             if stuck >= self.max_stuck:
                 raise AdapterRefused(f"{op}: {stuck} earlier {op} calls still stuck")
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            worker = _Worker(self)
         box: dict[str, object] = {}
         done = threading.Event()
         state = {"abandoned": False}
 
-        def run() -> None:
+        def run() -> bool:
             try:
                 box["result"] = fn(*args)
             except Exception as exc:  # handed to the caller, never lost
@@ -76,10 +86,13 @@ class Guard:
                 with self._lock:
                     if state["abandoned"]:
                         self._stuck[op] -= 1
+                    keep = len(self._idle) < MAX_IDLE
+                    if keep:
+                        self._idle.append(worker)
                     done.set()
+            return keep
 
-        t = threading.Thread(target=run, name=f"kvsidecar-{op}", daemon=True)
-        t.start()
+        worker.inbox.put(run)
         if not done.wait(self.timeout_s):
             with self._lock:
                 if not done.is_set():
@@ -89,3 +102,27 @@ class Guard:
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["result"]  # type: ignore[return-value]
+
+
+class _Worker:
+    """A daemon thread running one guarded call at a time, handed over through its inbox; it
+    puts itself back in its Guard's idle list after each call, and ends when idle for
+    ``IDLE_S`` or when the list is full."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.inbox: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="kvsidecar-adapter-call", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self.inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self.guard._lock:
+                    if self in self.guard._idle:  # else a caller took it: its call is coming
+                        self.guard._idle.remove(self)
+                        return
+                continue
+            if not job():
+                return
