@@ -116,8 +116,9 @@ class PoolDigests:
         self._value = value.view(torch.uint8).numpy()
 
     def __call__(self, block_id: int) -> str:
-        k = memoryview(self._key[:, block_id].copy())  # C order: kv_digest's bytes
-        v = memoryview(self._value[:, block_id].copy())
+        # A C-order copy of the block's bytes: exactly what kv_digest hashes.
+        k = memoryview(self._key[:, block_id].copy())  # type: ignore[arg-type]
+        v = memoryview(self._value[:, block_id].copy())  # type: ignore[arg-type]
         return f"{self.algorithm}:{self._hash(k, v)}"
 
 

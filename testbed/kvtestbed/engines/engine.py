@@ -104,8 +104,7 @@ class ReferenceEngine(BatchScheduler):
         # The write-time digest of a block id (the sidecar's fingerprint; bench perf counts
         # it as the sidecar's cost): ``digest`` over the block read back, else the pool's own.
         self._digest: Callable[[int], str] | None = (
-            _read_digest(self.pool, digest) if digest is not None
-            else self.pool.digester() if c.kv_digest else None)
+            self.pool.digester(digest) if digest is not None or c.kv_digest else None)
         self.lock = threading.RLock()
         self._waiting: deque[tuple[int, Request, float]] = deque()
         self._running: list[RunningSequence] = []
@@ -395,7 +394,3 @@ class ReferenceEngine(BatchScheduler):
             self._emit("on_free", GROUP_ID, tuple(removed))
         return removed
 
-
-def _read_digest(pool: BlockPool, digest: DigestFn) -> Callable[[int], str]:
-    """A caller's digest function over the block read back."""
-    return lambda block_id: digest(*pool.read_block(block_id))

@@ -326,16 +326,18 @@ class BlockPool:
             out.append(t[:, :, :num_tokens].contiguous())
         return out[0], out[1]
 
-    def digester(self) -> Callable[[int], str]:
-        """A block's write-time digest (:func:`sidecar.checks.fingerprint.kv_digest` of what
-        :meth:`read_block` returns): read in place where the pool holds exactly those bytes
-        (host memory, not quantised; :class:`~sidecar.checks.fingerprint.PoolDigests`),
-        else over a read."""
+    def digester(self, digest: Callable[[torch.Tensor, torch.Tensor], str] | None = None
+                 ) -> Callable[[int], str]:
+        """A block's write-time digest: ``digest`` (default
+        :func:`sidecar.checks.fingerprint.kv_digest`) of what :meth:`read_block` returns; the
+        default read in place where the pool holds exactly those bytes (host memory, not
+        quantised; :class:`~sidecar.checks.fingerprint.PoolDigests`)."""
         from sidecar.checks.fingerprint import PoolDigests, kv_digest
 
-        if self.kv_storage is None and self.key.device.type == "cpu":
+        if digest is None and self.kv_storage is None and self.key.device.type == "cpu":
             return PoolDigests(self.key, self.value)
-        return lambda block_id: kv_digest(*self.read_block(block_id))
+        fn = digest or kv_digest
+        return lambda block_id: fn(*self.read_block(block_id))
 
     def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one block's K and V, ``(layers, kv_heads, block_size, head_dim)``, in
