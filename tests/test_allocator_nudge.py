@@ -138,3 +138,27 @@ def test_a_restarted_poller_polls_on_nudges_and_a_stop_ends_its_thread() -> None
         assert not thread.is_alive()
         poller.nudge()  # stopped: nothing runs
     assert poller.nudged_polls == 2 and adapter.tables == 2
+
+
+def test_polls_refused_behind_stuck_calls_are_counted_as_refused() -> None:
+    """An allocator() that never returns: four polls time out (each leaves its call stuck),
+    later ones are refused without calling it, and say so (they were counted as errors)."""
+    from sidecar import signals as S
+
+    hang = threading.Event()
+
+    class Hung(Counting):
+        def allocator(self) -> AllocatorState:
+            hang.wait(HANG_S)
+            return super().allocator()
+
+    metrics = Metrics("e", "m", CollectorRegistry())
+    poller = AllocatorPoller(Hung(), metrics, Health(), lambda: 0, 0.02, 0.0, -1.0)  # type: ignore[arg-type]
+    try:
+        for _ in range(7):
+            poller.poll()
+        count = lambda reason: metrics.value(S.ADAPTER_ERRORS.name,  # noqa: E731
+                                             op="allocator", reason=reason)
+        assert (count("timeout"), count("refused"), count("error")) == (4, 3, 0)
+    finally:
+        hang.set()

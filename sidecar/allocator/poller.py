@@ -33,7 +33,7 @@ from sidecar.allocator import AllocatorHealth
 from sidecar.core import hook_input as HI
 from sidecar.core.capabilities import AllocatorIntrospection
 from sidecar.core.protocol import Adapter, AllocatorState, BlockTableSnapshot
-from sidecar.core.time_limits import Guard
+from sidecar.core.time_limits import AdapterRefused, Guard
 from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ class AllocatorPoller:
         try:
             return self.guard.call(op, fn)
         except Exception as exc:
-            reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+            reason = ("timeout" if isinstance(exc, TimeoutError) else
+                      "refused" if isinstance(exc, AdapterRefused) else "error")
             self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
             log.warning("adapter %s() failed: %s", op, exc)
             return None

@@ -26,6 +26,7 @@ from sidecar.core.journal import CacheEventJournal
 from sidecar.core.journal_hooks import AS_IS_LIFECYCLE_EVENT
 from sidecar.core.protocol import BlockKV, BlockRef, BlockWrite, EngineInfo, Hit, SequenceId
 from sidecar.core.sampling import Sampler
+from sidecar.core.time_limits import adapter_exit
 from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason, InputReject
 
@@ -74,17 +75,19 @@ class SampledHits:
         returns (bounded in bytes); ``None`` when the adapter cannot or the copy failed."""
         if self._capture is None:
             return None
-        try:
-            blocks = self._capture(hit, refs)
-        except Exception as exc:
-            self._hook_failed("capture", exc)
-            return None
         out: dict[BlockRef, BlockKV] = {}
         size = 0
-        for b in blocks:
-            if b.ref in refs:
-                size += b.key.nbytes * 2
-                out[b.ref] = b
+        try:
+            for b in self._capture(hit, refs):
+                if b.ref in refs:
+                    size += b.key.nbytes + b.value.nbytes
+                    out[b.ref] = b
+        except Exception as exc:  # raised, or garbage returned: the verifier reads instead
+            self._hook_failed("capture", exc)
+            return None
+        except BaseException as exc:  # SystemExit & co from an adapter: never into the engine
+            self._hook_failed("capture", adapter_exit("capture", exc))
+            return None
         if size > self.config.capture_max_bytes:
             self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.CAPTURE_TOO_LARGE.value)
             return None

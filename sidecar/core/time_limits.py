@@ -40,6 +40,13 @@ class AdapterExit(RuntimeError):
     KeyboardInterrupt, GeneratorExit): an adapter bug, handled like any other error."""
 
 
+def adapter_exit(op: str, exc: BaseException) -> AdapterExit:
+    """``exc`` (a BaseException an adapter raised) as an ordinary error, its cause kept."""
+    err = AdapterExit(f"{op} raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
 class Guard:
     """Runs adapter calls under a time limit; see the module docstring."""
 
@@ -78,9 +85,7 @@ class Guard:
             except Exception as exc:  # handed to the caller, never lost
                 box["error"] = exc
             except BaseException as exc:  # SystemExit & co: must not unwind the caller
-                err = AdapterExit(f"{op} raised {type(exc).__name__}: {exc}")
-                err.__cause__ = exc
-                box["error"] = err
+                box["error"] = adapter_exit(op, exc)
             finally:
                 # Under the lock, so the caller's timeout decision and this exit agree.
                 with self._lock:
