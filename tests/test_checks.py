@@ -42,6 +42,17 @@ def test_content_accepts_real_kv_and_flags_zeros_nan_and_constant():
     assert kinds(check_content(b)) == {AnomalyKind.DEGENERATE}
 
 
+def test_rows_alike_in_a_block_of_one_repeated_token_are_no_finding():
+    """A one-layer model's V depends on the token alone: a block of one token repeated has
+    identical V rows, clean (an outside check's clean run flagged it). Other tokens, or
+    no tokens given, still flag a row broadcast over the block."""
+    b = block()  # REF is block index 1: tokens[4:8] with a block size of 4
+    b.value[:] = b.value[..., :1, :].clone()
+    assert check_content(b, [1, 2, 3, 4, 7, 7, 7, 7], 4) == []
+    assert kinds(check_content(b, [1, 2, 3, 4, 7, 7, 8, 7], 4)) == {AnomalyKind.DEGENERATE}
+    assert kinds(check_content(b)) == {AnomalyKind.DEGENERATE}
+
+
 def test_structure_flags_shape_dtype_and_transposed_views():
     assert check_structure(block(), INFO, 2) == []
     bad_shape = BlockKV(REF, torch.randn(2, 4, 2, 8), torch.randn(2, 2, 4, 8))

@@ -219,7 +219,7 @@ class Verifier:
             found = check_structure(block, self.info, n_layers, kind)
             if not found and tier_state_at(hit, ref.group_id, ref.index) is not None:
                 found = check_partial_zero(block)  # before "zeros" claims a half-copied block
-            found = found or check_content(block)
+            found = found or check_content(block, hit.tokens, self.info.block_size)
             if not found:
                 found = self._fingerprint(sample, block, verdict)
             if found:
