@@ -152,9 +152,10 @@ class AllocatorPoller:
         try:
             return self.guard.call(op, fn)
         except Exception as exc:
-            reason = ("timeout" if isinstance(exc, TimeoutError) else
-                      "refused" if isinstance(exc, AdapterRefused) else "error")
-            self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason)
+            why = S.AdapterErrorReason
+            reason = (why.TIMEOUT if isinstance(exc, TimeoutError) else
+                      why.REFUSED if isinstance(exc, AdapterRefused) else why.ERROR)
+            self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason.value)
             log.warning("adapter %s() failed: %s", op, exc)
             return None
 

@@ -393,4 +393,3 @@ class ReferenceEngine(BatchScheduler):
         if removed:
             self._emit("on_free", GROUP_ID, tuple(removed))
         return removed
-

@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-# The block types live in blocks.py and the snapshot in pool_view.py; re-exported here
-# because the faults, the tier and the tests import them from the pool.
 from kvtestbed.engines.blocks import (
     ROOT_HASH,
     Allocation,
@@ -37,9 +35,12 @@ from kvtestbed.engines.blocks import (
     KeyFields,
     chain_hash,
 )
+from kvtestbed.engines.config import DigestFn
 from kvtestbed.engines.pool_view import PoolView
 from kvtestbed.engines.quant import check_storage, dequantize, quantize
 
+# The block types live in blocks.py and the snapshot in pool_view.py; re-exported here
+# because the faults, the tier and the tests import them from the pool.
 __all__ = ["ROOT_HASH", "Allocation", "BlockData", "BlockHash", "BlockMeta", "BlockPool",
            "KeyFields", "PoolView", "chain_hash"]
 
@@ -326,8 +327,7 @@ class BlockPool:
             out.append(t[:, :, :num_tokens].contiguous())
         return out[0], out[1]
 
-    def digester(self, digest: Callable[[torch.Tensor, torch.Tensor], str] | None = None
-                 ) -> Callable[[int], str]:
+    def digester(self, digest: DigestFn | None = None) -> Callable[[int], str]:
         """A block's write-time digest: ``digest`` (default
         :func:`sidecar.checks.fingerprint.kv_digest`) of what :meth:`read_block` returns; the
         default read in place where the pool holds exactly those bytes (host memory, not
