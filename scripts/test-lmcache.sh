@@ -14,10 +14,13 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV_LMCACHE:-.venv-lmcache}
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvsidecar-installed"
+# shellcheck source=scripts/engine-venv.sh
+source scripts/engine-venv.sh
 
 if [ ! -f "$STAMP" ]; then
     started=$(date +%s)
     echo "test-lmcache: building $VENV (lmcache 0.5.6)"
+    engine_venv_room test-lmcache "$VENV" 2600
     "$PYTHON" -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
@@ -40,10 +43,4 @@ fi
 # LMCache hashes token chunks with Python's hash() unless told otherwise: fix the seed so the
 # chunk keys (and the disk file names) are the same in every process.
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
-rc=0
-"$PY" -m pytest -q -m lmcache -p no:cacheprovider tests/lmcache "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then
-    echo "test-lmcache: pytest collected no LMCache tests" >&2
-    exit 1
-fi
-exit "$rc"
+engine_pytest test-lmcache LMCache -m lmcache tests/lmcache "$@"

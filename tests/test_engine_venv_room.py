@@ -1,0 +1,47 @@
+"""scripts/engine-venv.sh: before an engine venv is built, room is made by removing the
+other engine venvs, never the dev venv, and a build that cannot fit stops with the numbers
+(a CI run once died of "No space left on device" building the third venv)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+LIB = Path(__file__).resolve().parents[1] / "scripts" / "engine-venv.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _room(tmp_path: Path, need_mib: int) -> subprocess.CompletedProcess[str]:
+    for venv in (".venv", ".venv-vllm", ".venv-lmcache", ".venv-sglang"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / "marker").write_text("x")
+    script = (f'source "{LIB}"; engine_venv_room test-x .venv-sglang {need_mib}; '
+              'echo "built, cache=$PIP_NO_CACHE_DIR"')
+    return subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_enough_room_keeps_the_other_venvs_and_clears_its_own(tmp_path: Path) -> None:
+    done = _room(tmp_path, 1)
+    assert done.returncode == 0, done.stderr
+    assert "built, cache=1" in done.stdout
+    assert "MiB free here" in done.stdout
+    assert (tmp_path / ".venv-vllm" / "marker").exists()
+    assert (tmp_path / ".venv-lmcache" / "marker").exists()
+    assert not (tmp_path / ".venv-sglang").exists()  # a half-built venv never survives
+    assert (tmp_path / ".venv" / "marker").exists()
+
+
+def test_no_room_removes_other_engine_venvs_then_stops_with_the_numbers(
+        tmp_path: Path) -> None:
+    done = _room(tmp_path, 1 << 40)  # more than any disk has
+    assert done.returncode == 1
+    assert "built" not in done.stdout
+    assert "removing .venv-vllm" in done.stdout and "removing .venv-lmcache" in done.stdout
+    assert not (tmp_path / ".venv-vllm").exists()
+    assert not (tmp_path / ".venv-lmcache").exists()
+    assert (tmp_path / ".venv" / "marker").exists()  # the dev venv is never touched
+    assert "needs ~" in done.stderr and "Free some disk" in done.stderr
