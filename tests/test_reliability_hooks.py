@@ -300,3 +300,34 @@ def test_garbage_allocator_state_cannot_break_every_scrape() -> None:
         generate_latest(mon.metrics.registry)
         json.dumps(mon.summary(), allow_nan=False)
     assert mon.metrics.value(S.ADAPTER_ERRORS.name, op="allocator", reason="garbage") == 2
+
+
+def test_healthz_says_when_allocator_calls_are_stuck(monkeypatch) -> None:
+    """An allocator() that never returns: once the guard refuses further calls the allocator
+    checks are blind, and /healthz says so (``degraded``) without failing liveness (a
+    restart would not unwedge the engine); it clears when the calls return."""
+    _, adapter, mon = make_toy(adapter_timeout_s=0.02, allocator_check_min_interval_s=-1)
+    hang = threading.Event()
+    real = adapter.allocator
+
+    def hung():
+        hang.wait(60)
+        return real()
+
+    monkeypatch.setattr(adapter, "allocator", hung)
+    mon.start()
+    try:
+        assert monitor_health(mon)["degraded"] == []
+        for _ in range(mon.poller.guard.max_stuck):
+            mon.poll_allocator()
+        health = monitor_health(mon)
+        assert health["degraded"] == ["allocator_calls_stuck"]
+        assert health["ok"]
+        hang.set()
+        deadline = time.monotonic() + 30
+        while mon.poller.blind and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert monitor_health(mon)["degraded"] == []
+    finally:
+        hang.set()
+        mon.stop()

@@ -183,6 +183,12 @@ class AllocatorPoller:
         self._nudge_due = not nudged
 
     @property
+    def blind(self) -> bool:
+        """Whether polls go unanswered: the adapter's allocator() (or block_tables()) calls
+        are stuck past the guard's limit, so every poll is refused until one returns."""
+        return self.guard.refusing("allocator") or self.guard.refusing("block_tables")
+
+    @property
     def alive(self) -> bool:
         """Whether the polls asked for run (True where none was asked for)."""
         scheduled = self.every_s <= 0 or (self._scheduler is not None

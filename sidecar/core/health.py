@@ -37,5 +37,10 @@ def monitor_health(monitor: Monitor, parts: Mapping[str, Callable[[], bool]] | N
     last = h["last_verification"] or 0.0
     idle_for = time.time() - max(last, float(h["watching_since"]))
     checks["verification_progressing"] = pending == 0 or idle_for < stall
-    return {"ok": all(checks.values()), "checks": checks, "pending_samples": pending,
+    # Said, not failed: a wedged engine call is the engine's state, and a liveness probe
+    # restarting the sidecar for it would not unwedge it (the alert on
+    # adapter_errors{reason="refused"}, KVSidecarAdapterErrors, warns of it).
+    degraded = ["allocator_calls_stuck"] if h.get("allocator_blind") else []
+    return {"ok": all(checks.values()), "checks": checks, "degraded": degraded,
+            "pending_samples": pending,
             "seconds_since_verification": round(time.time() - last, 3) if last else None}

@@ -67,6 +67,11 @@ class Guard:
         with self._lock:
             return self._stuck.get(op, 0)
 
+    def refusing(self, op: str) -> bool:
+        """Whether calls of ``op`` are refused now (``max_stuck`` earlier ones still stuck):
+        whatever needs that call is blind until one returns."""
+        return self.stuck_in(op) >= self.max_stuck
+
     def call(self, op: str, fn: Callable[..., T], *args: object) -> T:
         with self._lock:
             stuck = self._stuck.get(op, 0)
