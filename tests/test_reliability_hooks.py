@@ -175,6 +175,28 @@ def test_guard_reuses_a_worker_not_a_stuck_one_and_idle_ones_end(monkeypatch) ->
     assert not first.is_alive() and g.stuck == 0
 
 
+def test_a_stopped_monitor_leaves_no_adapter_call_thread_behind(toy) -> None:
+    """Guard.close(), from Monitor.stop(): the idle workers end now, not IDLE_S later (no
+    thread of the sidecar's own outlives its stop); a later call starts a new one."""
+    engine, _, mon = toy
+    before = set(threading.enumerate())
+    mon.start()
+    engine.serve(list(range(100, 140)))
+    engine.serve(list(range(100, 140)))
+    assert mon.drain(30)
+    workers = [t for t in set(threading.enumerate()) - before
+               if t.name == "kvsidecar-adapter-call"]
+    assert workers  # the poller's calls ran on reused workers
+    workers.append(mon.guard.call("describe", threading.current_thread))  # the Monitor's own
+    mon.stop()
+    assert not [t for t in workers if t.is_alive()]
+    g = Guard(1.0)
+    first = g.call("x", threading.current_thread)
+    g.close()
+    assert not first.is_alive()
+    assert g.call("x", threading.current_thread) is not first  # a new worker
+
+
 def test_unasked_blocks_ignored_missing_blocks_dropped_samples_counted() -> None:
     engine, adapter, mon = make_toy()
     real_read = adapter.read

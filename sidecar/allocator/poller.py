@@ -208,3 +208,4 @@ class AllocatorPoller:
             self._nudger = None  # daemon: it returns once a poll under way ends
         if self._lock.acquire(timeout=max(timeout_s, 0.0)):
             self._lock.release()
+        self.guard.close()

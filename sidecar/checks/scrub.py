@@ -372,6 +372,7 @@ class Scrubber:
         if self._scheduler is not None and self._scheduler.running:
             self._scheduler.shutdown(wait=True)
         self._scheduler = None
+        self.guard.close()
 
 
 def _last_ref(hit: Hit | None, group_id: int, block_id: int) -> BlockRef | None:

@@ -280,6 +280,7 @@ class Monitor(JournaledHooks, SampledHits):
         self.poller.stop(timeout_s)
         self.dispatcher.stop(timeout_s)
         self.journal.stop(timeout_s)
+        self.guard.close()
         self._started = False
 
     def drain(self, timeout_s: float = 60.0) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -72,6 +73,17 @@ class Guard:
         whatever needs that call is blind until one returns."""
         return self.stuck_in(op) >= self.max_stuck
 
+    def close(self, timeout_s: float = 1.0) -> None:
+        """End the idle workers now, so a stopped owner leaves no thread of its own behind
+        (calls still running end on their own; a later call starts a new worker)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.inbox.put(_stop)
+        deadline = time.monotonic() + timeout_s
+        for worker in idle:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+
     def call(self, op: str, fn: Callable[..., T], *args: object) -> T:
         with self._lock:
             stuck = self._stuck.get(op, 0)
@@ -114,15 +126,22 @@ class Guard:
         return box["result"]  # type: ignore[return-value]
 
 
+def _stop() -> bool:
+    """The job :meth:`Guard.close` hands an idle worker: end."""
+    return False
+
+
 class _Worker:
     """A daemon thread running one guarded call at a time, handed over through its inbox; it
     puts itself back in its Guard's idle list after each call, and ends when idle for
-    ``IDLE_S`` or when the list is full."""
+    ``IDLE_S``, when the list is full, or when the Guard closes."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
         self.inbox: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="kvsidecar-adapter-call", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="kvsidecar-adapter-call",
+                                       daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         while True:
