@@ -4,9 +4,10 @@ Pure functions: a :class:`~sidecar.core.protocol.BlockTableSnapshot` (or an
 :class:`~sidecar.core.protocol.AllocatorState`) in, a list of :class:`Violation` out, each named by
 an :class:`~sidecar.signals.InvariantKind`. Nothing here trusts the engine's own opinion of
 who holds a block: *holders* are recomputed from the live sequences' block tables, which is
-what the model actually reads through. One pass over the blocks, the block tables and the
-hash map: O(blocks + table entries + index entries), a few milliseconds at 4096 blocks, run
-on the poll thread, never the engine's.
+what the model actually reads through. O(blocks + table entries + index entries), in
+C-level passes (sets, ``map``, ``compress``) that prove a healthy pool, then a Python walk of
+only the blocks that could break an invariant: 0.8 ms at 4,096 healthy blocks (walking every
+block took 1.8 ms), 48 us at 256 (118), on the poll thread, which shares the engine's GIL.
 
 The invariants of a paged, ref-counted prefix cache (seed 001 §3.3, §4.2, §6.3):
 
@@ -37,7 +38,10 @@ then the ref-count direction), so one bug is one violation per block, not three.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from itertools import chain, compress
+from operator import gt, itemgetter, ne, not_
 
 from sidecar.core.protocol import AllocatorState, BlockTableSnapshot
 from sidecar.signals import InvariantKind as K
@@ -81,7 +85,13 @@ def check_counts(state: AllocatorState, group_id: int = 0) -> list[Violation]:
 
 
 def check_snapshot(snap: BlockTableSnapshot) -> list[Violation]:
-    """Every broken invariant of one group's block pool (empty when healthy)."""
+    """Every broken invariant of one group's block pool (empty when healthy).
+
+    A healthy pool is proved at C speed (set algebra, ``map``/``compress`` over the ref
+    counts): only the blocks that could break an invariant (ref count != live holders,
+    unreferenced but on no list or referenced on one, free yet indexed, evictable yet not)
+    are walked in Python. The walk over every block cost a poll ~0.2 ms at 1,024 blocks,
+    on a thread that shares the engine's GIL."""
     n = snap.num_blocks
     g = snap.group_id
     out: list[Violation] = []
@@ -99,70 +109,119 @@ def check_snapshot(snap: BlockTableSnapshot) -> list[Violation]:
         return out
 
     # Holders, from the live block tables (what the model reads through).
-    held = [0] * n
-    who: dict[int, object] = {}
-    for seq, table in snap.sequences.items():
-        for b in table:
-            if 0 <= b < n:
-                held[b] += 1
-                who[b] = seq
-            else:
-                add(K.BLOCK_COUNT_MISMATCH, None, f"sequence {seq} names block {b}, "
-                    f"outside the pool of {n}")
+    held, in_range = _held(snap)
+    if not in_range:
+        for seq, table in snap.sequences.items():
+            for b in table:
+                if not 0 <= b < n:
+                    add(K.BLOCK_COUNT_MISMATCH, None, f"sequence {seq} names block {b}, "
+                        f"outside the pool of {n}")
 
-    free_count = Counter(snap.free)
-    cached_count = Counter(snap.cached)
-    for listed in (free_count, cached_count):
-        for b, c in listed.items():
-            if not 0 <= b < n:
-                add(K.BLOCK_COUNT_MISMATCH, None, f"block {b} on a free list, outside the pool")
-            elif c > 1:
-                add(K.DOUBLE_FREE, b, f"block {b} is on a free list {c} times")
-    for b in free_count.keys() & cached_count.keys():
+    free_set, cached_set = set(snap.free), set(snap.cached)
+    lists_plain = len(free_set) == len(snap.free) and len(cached_set) == len(snap.cached) \
+        and _within(free_set, n) and _within(cached_set, n)
+    if not lists_plain:
+        for listed in (Counter(snap.free), Counter(snap.cached)):
+            for b, c in listed.items():
+                if not 0 <= b < n:
+                    add(K.BLOCK_COUNT_MISMATCH, None,
+                        f"block {b} on a free list, outside the pool")
+                elif c > 1:
+                    add(K.DOUBLE_FREE, b, f"block {b} is on a free list {c} times")
+    for b in sorted(free_set & cached_set):
         if 0 <= b < n:
             add(K.BLOCK_COUNT_MISMATCH, b, f"block {b} is both free and evictable")
 
-    indexed: Counter[int] = Counter()
+    indexed = _check_index(snap, add)
+
+    ref_counts = snap.ref_counts
+    listed_set = free_set | cached_set
+    suspects = set(compress(range(n), map(ne, ref_counts, held)))  # rc != holders
+    suspects |= _unreferenced(ref_counts, listed_set, lists_plain) ^ listed_set  # rc 0 <=> listed
+    suspects |= free_set & indexed  # free, yet a hash-map entry names it
+    suspects |= cached_set - indexed  # evictable, yet no entry names it
+    who: dict[int, object] | None = None
+    for b in sorted(suspects - reserved):
+        if not 0 <= b < n:
+            continue
+        rc = ref_counts[b]
+        h = held[b]
+        on_free = b in free_set
+        on_list = on_free or b in cached_set
+        if h and who is None:
+            who = {x: seq for seq, table in snap.sequences.items() for x in table}
+        holder = who.get(b) if who is not None else None
+        if rc < 0:
+            add(K.DOUBLE_FREE, b, f"block {b} has ref count {rc}: released more often "
+                "than taken")
+        elif on_list and (rc > 0 or h > 0):
+            named = f" (sequence {holder})" if h else ""
+            add(K.FREE_WHILE_HELD, b, f"block {b} is {'free' if on_free else 'evictable'} "
+                f"with ref count {rc} and {h} live holder(s){named}")
+        elif rc < h:
+            add(K.REF_COUNT_BELOW_HOLDERS, b, f"block {b}: ref count {rc} < {h} live "
+                f"holders (sequence {holder}): freed while still in use")
+        elif rc > h:
+            add(K.LEAKED_REFERENCE, b, f"block {b}: ref count {rc} > {h} live holders: "
+                "a reference no live sequence holds")
+        if on_free and b in indexed:
+            add(K.FREE_WHILE_INDEXED, b, f"block {b} is free but the hash map still names it")
+        if not on_list and rc == 0 and h == 0:
+            add(K.BLOCK_COUNT_MISMATCH, b, f"block {b} is unreferenced but on no free list "
+                "(lost)")
+        if b in cached_set and b not in indexed:
+            add(K.BLOCK_COUNT_MISMATCH, b, f"block {b} is evictable but no hash-map entry "
+                "names it")
+    return out
+
+
+def _held(snap: BlockTableSnapshot) -> tuple[list[int], bool]:
+    """Live block-table references per block id, and whether every id was in the pool."""
+    n = snap.num_blocks
+    held = [0] * n
+    counts = Counter(chain.from_iterable(snap.sequences.values()))
+    in_range = _within(counts.keys(), n)
+    for b, c in counts.items():
+        if 0 <= b < n:
+            held[b] = c
+    return held, in_range
+
+
+def _within(ids: Collection[int], n: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < n)
+
+
+def _unreferenced(ref_counts: Sequence[int], listed: set[int], in_range: bool) -> set[int]:
+    """The ids whose ref count is 0. In a healthy pool exactly the listed ones (all in
+    range): proved by a count and one gather (C speed) before any per-block walk."""
+    if in_range and len(listed) > 1 and \
+            ref_counts.count(0) == len(listed) and not any(itemgetter(*listed)(ref_counts)):
+        return listed
+    return set(compress(range(len(ref_counts)), map(not_, ref_counts)))
+
+
+def _check_index(snap: BlockTableSnapshot,
+                 add: Callable[[K, int | None, str], None]) -> set[int]:
+    """The ids a hash-map entry names; entries outside the pool, or naming a block that now
+    holds other content, reported through ``add`` (in the map's order)."""
+    n = snap.num_blocks
+    ids = list(map(itemgetter(1), snap.index))
+    # Tuple equality: element by element, identity first (an entry usually holds the very
+    # hash object its block does), so a healthy map costs no hash's __eq__.
+    if len(ids) > 1 and _within(ids, n) and \
+            tuple(map(itemgetter(0), snap.index)) == itemgetter(*ids)(snap.block_hashes):
+        return set(ids)
+    indexed: set[int] = set()
     for h, b in snap.index:
         if not 0 <= b < n:
             add(K.BLOCK_COUNT_MISMATCH, None, f"a hash-map entry names block {b}, outside "
                 "the pool")
             continue
-        indexed[b] += 1
+        indexed.add(b)
         if snap.block_hashes[b] != h:
             add(K.STALE_INDEX, b, f"a hash-map entry names block {b}, which now holds other "
                 "content (reallocated while indexed)")
-
-    ref_counts = snap.ref_counts
-    for b in range(n):
-        if b in reserved:
-            continue
-        rc = ref_counts[b]
-        h = held[b]
-        on_free = b in free_count
-        on_list = on_free or b in cached_count
-        if rc < 0:
-            add(K.DOUBLE_FREE, b, f"block {b} has ref count {rc}: released more often "
-                "than taken")
-        elif on_list and (rc > 0 or h > 0):
-            holder = f" (sequence {who.get(b)})" if h else ""
-            add(K.FREE_WHILE_HELD, b, f"block {b} is {'free' if on_free else 'evictable'} "
-                f"with ref count {rc} and {h} live holder(s){holder}")
-        elif rc < h:
-            add(K.REF_COUNT_BELOW_HOLDERS, b, f"block {b}: ref count {rc} < {h} live "
-                f"holders (sequence {who.get(b)}): freed while still in use")
-        elif rc > h:
-            add(K.LEAKED_REFERENCE, b, f"block {b}: ref count {rc} > {h} live holders: "
-                "a reference no live sequence holds")
-        if on_free and indexed[b]:
-            add(K.FREE_WHILE_INDEXED, b, f"block {b} is free but the hash map still names it")
-        if not on_list and rc == 0 and h == 0:
-            add(K.BLOCK_COUNT_MISMATCH, b, f"block {b} is unreferenced but on no free list "
-                "(lost)")
-        if b in cached_count and not indexed[b]:
-            add(K.BLOCK_COUNT_MISMATCH, b, f"block {b} is evictable but no hash-map entry "
-                "names it")
-    return out
+    return indexed
 
 
 def unheld_references(snap: BlockTableSnapshot) -> int:
@@ -171,11 +230,8 @@ def unheld_references(snap: BlockTableSnapshot) -> int:
     watches: a leaked reference never comes back, so this only grows under a leak, while a
     count of *blocks* held by nobody dips whenever a live sequence hits a leaked (still
     indexed) block."""
-    held = [0] * snap.num_blocks
-    for table in snap.sequences.values():
-        for b in table:
-            if 0 <= b < snap.num_blocks:
-                held[b] += 1
+    held, _ = _held(snap)
     reserved = frozenset(snap.reserved)
-    return sum(rc - h for b, (rc, h) in enumerate(zip(snap.ref_counts, held, strict=False))
-               if rc > h and b not in reserved)
+    rcs = snap.ref_counts
+    return sum(rcs[b] - held[b] for b in compress(range(len(held)), map(gt, rcs, held))
+               if b not in reserved)
