@@ -10,6 +10,16 @@ _engine_venvs() {
     printf '%s\n' "${VENV_VLLM:-.venv-vllm}" "${VENV_LMCACHE:-.venv-lmcache}" "${VENV_SGLANG:-.venv-sglang}"
 }
 
+# A path this script may delete: a venv (pyvenv.cfg, even a half-built one has it) or
+# nothing at all, never the dev venv. VENV_* can name any path; a typo must not rm -rf it.
+_removable_venv() {
+    local path=$1
+    [ -n "$path" ] || return 1
+    [ ! -e "$path" ] && return 0
+    [ -d "$path" ] && [ ! -L "$path" ] && [ -f "$path/pyvenv.cfg" ] || return 1
+    [ "$(cd "$path" && pwd -P)" != "$(cd "${DEV_VENV:-.venv}" 2>/dev/null && pwd -P)" ]
+}
+
 _free_mib() {
     df -Pm . | awk 'NR == 2 { print $4 }'
 }
@@ -21,12 +31,19 @@ _free_mib() {
 # that died half-way, out of disk say, leaves no half venv behind to trip over).
 engine_venv_room() {
     local name=$1 venv=$2 need=$3 free other
+    if ! _removable_venv "$venv"; then
+        echo "$name: $venv exists and is not a venv this script may replace (no" \
+            "pyvenv.cfg, a link, or the dev venv); remove it or point the VENV_* variable" \
+            "elsewhere" >&2
+        exit 1
+    fi
     rm -rf "$venv"
     free=$(_free_mib)
     echo "$name: ${free} MiB free here; $venv needs ~${need} MiB"
     if [ "$free" -lt "$need" ]; then
         while read -r other; do
             [ "$other" = "$venv" ] || [ ! -d "$other" ] && continue
+            _removable_venv "$other" || continue
             echo "$name: removing $other to make room (its test script rebuilds it when run)"
             rm -rf "$other"
             free=$(_free_mib)

@@ -14,11 +14,13 @@ LIB = Path(__file__).resolve().parents[1] / "scripts" / "engine-venv.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _room(tmp_path: Path, need_mib: int) -> subprocess.CompletedProcess[str]:
-    for venv in (".venv", ".venv-vllm", ".venv-lmcache", ".venv-sglang"):
-        (tmp_path / venv).mkdir()
-        (tmp_path / venv / "marker").write_text("x")
-    script = (f'source "{LIB}"; engine_venv_room test-x .venv-sglang {need_mib}; '
+def _room(tmp_path: Path, need_mib: int, env: str = "",
+          venv: str = ".venv-sglang") -> subprocess.CompletedProcess[str]:
+    for name in (".venv", ".venv-vllm", ".venv-lmcache", ".venv-sglang"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "pyvenv.cfg").write_text("home = /usr/bin\n")
+        (tmp_path / name / "marker").write_text("x")
+    script = (f'{env} source "{LIB}"; engine_venv_room test-x {venv} {need_mib}; '
               'echo "built, cache=$PIP_NO_CACHE_DIR"')
     return subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
@@ -45,3 +47,20 @@ def test_no_room_removes_other_engine_venvs_then_stops_with_the_numbers(
     assert not (tmp_path / ".venv-lmcache").exists()
     assert (tmp_path / ".venv" / "marker").exists()  # the dev venv is never touched
     assert "needs ~" in done.stderr and "Free some disk" in done.stderr
+
+
+def test_only_venvs_are_ever_removed_whatever_the_variables_name(tmp_path: Path) -> None:
+    """VENV_* may name any path: a directory that is not a venv, a link, the dev venv or
+    the checkout itself is never removed to make room, nor replaced by a build."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / ".venv-vllm")
+    done = _room(tmp_path, 1 << 40, env="export VENV_VLLM=data VENV_LMCACHE=.venv;")
+    assert done.returncode == 1
+    assert (tmp_path / "data" / "keep").exists() and (tmp_path / ".venv" / "marker").exists()
+    for bad in (".", "data", "link", ".venv"):
+        done = _room(tmp_path, 1, venv=bad)
+        assert done.returncode == 1 and "is not a venv this script may replace" in done.stderr
+        assert "built" not in done.stdout
+    assert (tmp_path / "data" / "keep").exists() and (tmp_path / ".venv" / "marker").exists()
+    assert (tmp_path / ".venv-vllm" / "marker").exists()  # the link's target too
