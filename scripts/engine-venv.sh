@@ -4,51 +4,71 @@
 # ran out of space building the third. These helpers make room before a build and read
 # pytest's "no tests ran" as the failure it is.
 
-# The engine venvs a build may remove to make room: rebuildable, each script builds its own
-# when missing. The dev venv (.venv) is never touched.
-_engine_venvs() {
-    printf '%s\n' "${VENV_VLLM:-.venv-vllm}" "${VENV_LMCACHE:-.venv-lmcache}" "${VENV_SGLANG:-.venv-sglang}"
+# A directory's physical path ("" if it cannot be entered); CDPATH would make cd print.
+_physical() {
+    (CDPATH='' cd -P -- "$1" 2>/dev/null && pwd -P) || true
 }
 
-# A path this script may delete: a venv (pyvenv.cfg, even a half-built one has it) or
-# nothing at all, never the dev venv. VENV_* can name any path; a typo must not rm -rf it.
+# A path this script may delete: nothing at all, or a venv (a directory, not a link, with
+# pyvenv.cfg: even a half-built one has it) that is neither the dev venv (.venv, $DEV_VENV)
+# nor holds it, this checkout or /. VENV_* can name any path: a typo must not rm -rf it.
 _removable_venv() {
-    local path=$1
+    local path=$1 real here dev
     [ -n "$path" ] || return 1
-    [ ! -e "$path" ] && return 0
+    [ -e "$path" ] || [ -L "$path" ] || return 0
     [ -d "$path" ] && [ ! -L "$path" ] && [ -f "$path/pyvenv.cfg" ] || return 1
-    [ "$(cd "$path" && pwd -P)" != "$(cd "${DEV_VENV:-.venv}" 2>/dev/null && pwd -P)" ]
+    real=$(_physical "$path")
+    [ -n "$real" ] && [ "$real" != / ] || return 1
+    here=$(pwd -P)
+    for dev in "$here" "$(_physical .venv)" "$(_physical "${DEV_VENV:-.venv}")"; do
+        [ -n "$dev" ] || continue
+        [ "$dev" = "$real" ] || [ "${dev#"$real"/}" != "$dev" ] && return 1
+    done
+    return 0
 }
 
 _free_mib() {
-    df -Pm . | awk 'NR == 2 { print $4 }'
+    local free
+    free=$(df -Pm . 2>/dev/null | awk 'NR == 2 { print $4 }') || true
+    case $free in
+        '' | *[!0-9]*) return 1 ;;
+    esac
+    echo "$free"
 }
 
 # engine_venv_room NAME VENV NEED_MIB: before building VENV, say how much disk is free; if
-# less than NEED_MIB, remove the other engine venvs (saying which) until there is room; if
-# there still is not, stop with the numbers. The build itself keeps no pip cache (it would
-# only help a rebuild, and costs ~1 GB per venv) and starts from an empty directory (a build
-# that died half-way, out of disk say, leaves no half venv behind to trip over).
+# less than NEED_MIB, remove the other engine venvs ($VENV_VLLM, $VENV_LMCACHE,
+# $VENV_SGLANG: rebuildable, each test script builds its own when missing; never the dev
+# venv) until there is room; if there still is not, stop with the numbers. The build keeps
+# no pip cache (it would only help a rebuild, and costs ~1 GB per venv) and starts from an
+# empty directory (a build that died half-way, out of disk say, leaves no half venv).
 engine_venv_room() {
     local name=$1 venv=$2 need=$3 free other
+    case $need in
+        '' | *[!0-9]*) echo "$name: NEED_MIB must be a whole number of MiB, not '$need'" >&2
+                       exit 1 ;;
+    esac
     if ! _removable_venv "$venv"; then
-        echo "$name: $venv exists and is not a venv this script may replace (no" \
-            "pyvenv.cfg, a link, or the dev venv); remove it or point the VENV_* variable" \
-            "elsewhere" >&2
+        echo "$name: '$venv' exists and is not a venv this script may replace (no" \
+            "pyvenv.cfg, a link, the dev venv or a directory holding it); remove it or" \
+            "point the VENV_* variable elsewhere" >&2
         exit 1
     fi
-    rm -rf "$venv"
-    free=$(_free_mib)
+    free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2; exit 1; }
+    rm -rf -- "$venv"
+    free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2; exit 1; }
     echo "$name: ${free} MiB free here; $venv needs ~${need} MiB"
     if [ "$free" -lt "$need" ]; then
-        while read -r other; do
+        for other in "${VENV_VLLM:-.venv-vllm}" "${VENV_LMCACHE:-.venv-lmcache}" \
+                "${VENV_SGLANG:-.venv-sglang}"; do
             [ "$other" = "$venv" ] || [ ! -d "$other" ] && continue
             _removable_venv "$other" || continue
-            echo "$name: removing $other to make room (its test script rebuilds it when run)"
-            rm -rf "$other"
-            free=$(_free_mib)
+            [ "$(_physical "$other")" = "$(_physical "$venv")" ] && continue
+            echo "$name: removing '$other' to make room (its test script rebuilds it when run)"
+            rm -rf -- "$other"
+            free=$(_free_mib) || break
             [ "$free" -ge "$need" ] && break
-        done < <(_engine_venvs)
+        done
     fi
     if [ "$free" -lt "$need" ]; then
         echo "$name: only ${free} MiB free on $(df -P . | awk 'NR == 2 { print $6 }');" \

@@ -42,7 +42,7 @@ def test_no_room_removes_other_engine_venvs_then_stops_with_the_numbers(
     done = _room(tmp_path, 1 << 40)  # more than any disk has
     assert done.returncode == 1
     assert "built" not in done.stdout
-    assert "removing .venv-vllm" in done.stdout and "removing .venv-lmcache" in done.stdout
+    assert "removing '.venv-vllm'" in done.stdout and "removing '.venv-lmcache'" in done.stdout
     assert not (tmp_path / ".venv-vllm").exists()
     assert not (tmp_path / ".venv-lmcache").exists()
     assert (tmp_path / ".venv" / "marker").exists()  # the dev venv is never touched
@@ -64,3 +64,37 @@ def test_only_venvs_are_ever_removed_whatever_the_variables_name(tmp_path: Path)
         assert "built" not in done.stdout
     assert (tmp_path / "data" / "keep").exists() and (tmp_path / ".venv" / "marker").exists()
     assert (tmp_path / ".venv-vllm" / "marker").exists()  # the link's target too
+
+
+def test_hostile_names_and_values_delete_nothing_they_should_not(tmp_path: Path) -> None:
+    """An outside check's finds: a venv holding the checkout, CDPATH, names trimmed or
+    split by `read`, a leading dash, a NEED that is no number, a df that fails."""
+    outer = tmp_path / "outer"
+    root = outer / "root"
+    root.mkdir(parents=True)
+    (outer / "pyvenv.cfg").write_text("x")  # the checkout lives inside a venv directory
+    (root / "env").mkdir()
+    (root / "env" / "pyvenv.cfg").write_text("x")
+    for env in (f'export VENV_LMCACHE="{outer}";', "export VENV_LMCACHE=..;",
+                'export CDPATH=.; export VENV_LMCACHE="$PWD/.venv";',
+                "export VENV_LMCACHE=' env';", "export VENV_LMCACHE=$'nope\\nenv';",
+                "export VENV_LMCACHE=-d;"):
+        done = _room(root, 1 << 40, env=env)
+        assert done.returncode == 1, env
+        assert (outer / "pyvenv.cfg").exists() and (root / ".venv" / "marker").exists(), env
+        assert (root / "env" / "pyvenv.cfg").exists(), env
+    done = _room(root, 1, venv="-rf")
+    assert done.returncode == 0 and "built" in done.stdout  # '-rf' is a name, not a flag
+    for need in ("abc", "", "2.5", "-3"):
+        done = subprocess.run(
+            ["bash", "-c", f'source "{LIB}"; engine_venv_room test-x .venv-sglang "{need}"'],
+            cwd=root, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "whole number of MiB" in done.stderr, need
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "df").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "df").chmod(0o755)
+    (root / ".venv-sglang" / "pyvenv.cfg").write_text("x")
+    done = _room(root, 1, env=f'export PATH="{fake}:$PATH";')
+    assert done.returncode == 1 and "df failed" in done.stderr
+    assert (root / ".venv-sglang" / "marker").exists()  # nothing removed before it knew

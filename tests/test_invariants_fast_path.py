@@ -101,6 +101,60 @@ def test_the_fast_check_finds_exactly_what_walking_every_block_found(mutation: s
         assert broken > 0  # the mutation did break pools: the comparison was not vacuous
 
 
+
+class _FalsyInt(int):
+    def __bool__(self) -> bool:
+        return False
+
+
+class _EqRaises:
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no __eq__")
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+def _odd(**fields: object) -> BlockTableSnapshot:
+    base: dict[str, object] = dict(group_id=0, num_blocks=3, free=(0, 1), cached=(),
+                                   ref_counts=(0, 0, 1), block_hashes=(None,) * 3,
+                                   index=(), sequences={"a": (2,)})
+    return BlockTableSnapshot(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_odd_but_readable_inputs_are_judged_as_the_walk_judged_them() -> None:
+    """An outside fuzzer's finds: a numpy array of ref counts, a float or bool id, a ref
+    count that is falsy but not 0, a hash whose __eq__ raises: never a crash where the walk
+    gave an answer, and the same answer (ids reported as the pool's own ints)."""
+    np = pytest.importorskip("numpy")
+    cases = [
+        _odd(ref_counts=np.array([0, 0, 1])),
+        _odd(free=(0, 1.0)),
+        _odd(free=(1,), cached=(False,)),
+        _odd(free=(2, 1), ref_counts=(0, 0, _FalsyInt(2)), sequences={}),
+        _odd(free=(0,), cached=(1,), block_hashes=(None, _EqRaises(), _EqRaises()),
+             index=((_EqRaises(), 1), (_EqRaises(), 2))),
+    ]
+    for snap in cases:
+        got = _canonical(check_snapshot(snap))
+        assert got == _canonical(_walk_every_block(snap)), snap
+        assert all(type(v[2]) is int or v[2] is None for v in got)
+
+
+def test_a_hash_is_the_same_hash_as_itself_however_many_entries() -> None:
+    """A NaN (unequal to itself) held by the block and its entry: the very object, so not
+    stale, with one entry as with several (the walk said 'stale' for it)."""
+    nan = float("nan")
+    one = _odd(free=(0,), cached=(1,), block_hashes=(None, nan, None), index=((nan, 1),))
+    two = _odd(free=(0,), cached=(1,), block_hashes=(None, nan, nan),
+               index=((nan, 1), (nan, 2)))
+    assert check_snapshot(one) == [] and check_snapshot(two) == []
+    other = _odd(free=(0,), cached=(1,), block_hashes=(None, float("nan"), None),
+                 index=((float("nan"), 1),))
+    assert [v.kind for v in check_snapshot(other)] == [K.STALE_INDEX]
+
 # ---------------------------------------------------------------- the oracle: every block walked
 def _walk_every_block(snap: BlockTableSnapshot) -> list[Violation]:
     """Every broken invariant of one group's block pool (empty when healthy)."""

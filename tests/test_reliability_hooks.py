@@ -195,6 +195,17 @@ def test_a_stopped_monitor_leaves_no_adapter_call_thread_behind(toy) -> None:
     g.close()
     assert not first.is_alive()
     assert g.call("x", threading.current_thread) is not first  # a new worker
+    # A worker busy (here: stuck) when its Guard closes ends as its call returns, not
+    # IDLE_S later (an outside check found four such threads living on after stop()).
+    release = threading.Event()
+    g2 = Guard(0.05)
+    box: list[threading.Thread] = []
+    with pytest.raises(AdapterTimeout):
+        g2.call("read", lambda: (box.append(threading.current_thread()), release.wait(30)))
+    g2.close()
+    release.set()
+    box[0].join(5)
+    assert not box[0].is_alive()
 
 
 def test_unasked_blocks_ignored_missing_blocks_dropped_samples_counted() -> None:
@@ -347,9 +358,47 @@ def test_healthz_says_when_allocator_calls_are_stuck(monkeypatch) -> None:
         assert health["ok"]
         hang.set()
         deadline = time.monotonic() + 30
-        while mon.poller.blind and time.monotonic() < deadline:
+        while mon.poller.degraded and time.monotonic() < deadline:
             time.sleep(0.01)
+            mon.poll_allocator()  # answered once the stuck calls have returned
         assert monitor_health(mon)["degraded"] == []
     finally:
         hang.set()
+        mon.stop()
+
+
+@pytest.mark.parametrize("misbehaviour", ["slow", "raises"])
+def test_healthz_says_when_every_allocator_call_fails(monkeypatch, misbehaviour) -> None:
+    """Never four stuck at once, yet no poll answered: an allocator() always slower than
+    its limit (an outside check: 60 of 60 polls without state, never said), or one that
+    always raises. Said after BLIND_AFTER polls in a row; one answer clears it."""
+    from sidecar.allocator.poller import BLIND_AFTER
+
+    _, adapter, mon = make_toy(adapter_timeout_s=0.02, allocator_check_min_interval_s=-1)
+    real = adapter.allocator
+    broken = threading.Event()
+    broken.set()
+
+    def allocator():
+        if broken.is_set():
+            if misbehaviour == "raises":
+                raise RuntimeError("allocator unavailable")
+            time.sleep(0.1)  # past the 0.02 s limit, returns on its own
+        return real()
+
+    monkeypatch.setattr(adapter, "allocator", allocator)
+    mon.start()
+    try:
+        expect = {"slow": "allocator_calls_stuck", "raises": "allocator_calls_failing"}
+        assert monitor_health(mon)["degraded"] == []  # start's own poll failed: one
+        for _ in range(BLIND_AFTER - 1):
+            mon.poll_allocator()
+            time.sleep(0.12)  # the slow call returns: never stuck 4 at once
+        assert monitor_health(mon)["degraded"] == [expect[misbehaviour]]
+        broken.clear()
+        deadline = time.monotonic() + 30  # one answered poll clears it (a loaded box may
+        while mon.poller.degraded and time.monotonic() < deadline:  # time one out)
+            mon.poll_allocator()
+        assert monitor_health(mon)["degraded"] == []
+    finally:
         mon.stop()

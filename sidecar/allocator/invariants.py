@@ -40,8 +40,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress
-from operator import gt, itemgetter, ne, not_
+from itertools import chain, compress, repeat
+from operator import countOf, eq, gt, itemgetter, ne
 
 from sidecar.core.protocol import AllocatorState, BlockTableSnapshot
 from sidecar.signals import InvariantKind as K
@@ -141,9 +141,9 @@ def check_snapshot(snap: BlockTableSnapshot) -> list[Violation]:
     suspects |= free_set & indexed  # free, yet a hash-map entry names it
     suspects |= cached_set - indexed  # evictable, yet no entry names it
     who: dict[int, object] | None = None
-    for b in sorted(suspects - reserved):
-        if not 0 <= b < n:
-            continue
+    # The pool's own ids (plain ints, as walking range(n) gave): a listed 1.0 or False is
+    # the block it equals, never an id of its own.
+    for b in sorted(suspects.intersection(range(n)) - reserved) if suspects else ():
         rc = ref_counts[b]
         h = held[b]
         on_free = b in free_set
@@ -193,11 +193,15 @@ def _within(ids: Collection[int], n: int) -> bool:
 
 def _unreferenced(ref_counts: Sequence[int], listed: set[int], in_range: bool) -> set[int]:
     """The ids whose ref count is 0. In a healthy pool exactly the listed ones (all in
-    range): proved by a count and one gather (C speed) before any per-block walk."""
-    if in_range and len(listed) > 1 and \
-            ref_counts.count(0) == len(listed) and not any(itemgetter(*listed)(ref_counts)):
-        return listed
-    return set(compress(range(len(ref_counts)), map(not_, ref_counts)))
+    range): proved by a count and one gather (C speed) before any per-block walk; anything
+    odd (a float id, an array of counts) takes the walk's way."""
+    try:
+        if in_range and len(listed) > 1 and countOf(ref_counts, 0) == len(listed) \
+                and countOf(itemgetter(*listed)(ref_counts), 0) == len(listed):
+            return listed
+    except Exception:  # not provable here: the general way below decides
+        pass
+    return set(compress(range(len(ref_counts)), map(eq, ref_counts, repeat(0))))
 
 
 def _check_index(snap: BlockTableSnapshot,
@@ -207,10 +211,14 @@ def _check_index(snap: BlockTableSnapshot,
     n = snap.num_blocks
     ids = list(map(itemgetter(1), snap.index))
     # Tuple equality: element by element, identity first (an entry usually holds the very
-    # hash object its block does), so a healthy map costs no hash's __eq__.
-    if len(ids) > 1 and _within(ids, n) and \
-            tuple(map(itemgetter(0), snap.index)) == itemgetter(*ids)(snap.block_hashes):
-        return set(ids)
+    # hash object its block does), so a healthy map costs no hash's __eq__. The walk below
+    # judges the same way: the very object is the same hash (a NaN too).
+    try:
+        if len(ids) > 1 and _within(ids, n) and \
+                tuple(map(itemgetter(0), snap.index)) == itemgetter(*ids)(snap.block_hashes):
+            return set(ids)
+    except Exception:  # an odd id or hash: the walk below decides
+        pass
     indexed: set[int] = set()
     for h, b in snap.index:
         if not 0 <= b < n:
@@ -218,7 +226,7 @@ def _check_index(snap: BlockTableSnapshot,
                 "the pool")
             continue
         indexed.add(b)
-        if snap.block_hashes[b] != h:
+        if snap.block_hashes[b] is not h and snap.block_hashes[b] != h:
             add(K.STALE_INDEX, b, f"a hash-map entry names block {b}, which now holds other "
                 "content (reallocated while indexed)")
     return indexed

@@ -39,6 +39,9 @@ from sidecar.export.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+BLIND_AFTER = 3  # consecutive failed polls of one call before /healthz calls it degraded
+
+
 class AllocatorPoller:
     def __init__(self, adapter: Adapter, metrics: Metrics, health: AllocatorHealth,
                  requests_done: Callable[[], int], timeout_s: float, every_s: float,
@@ -67,6 +70,9 @@ class AllocatorPoller:
         self._last_nudged = -float("inf")  # monotonic start of the last nudged poll
         self.nudged_polls = 0
         self.polls = 0
+        # Per operation: consecutive failed calls, and the reason of the last (what
+        # /healthz says while the allocator checks are blind: see ``degraded``).
+        self._failing: dict[str, tuple[int, str]] = {}
         self.last_poll: float | None = None
 
     def nudge(self) -> None:
@@ -150,14 +156,17 @@ class AllocatorPoller:
 
     def _call(self, op: str, fn: Any) -> Any:
         try:
-            return self.guard.call(op, fn)
+            result = self.guard.call(op, fn)
         except Exception as exc:
             why = S.AdapterErrorReason
             reason = (why.TIMEOUT if isinstance(exc, TimeoutError) else
                       why.REFUSED if isinstance(exc, AdapterRefused) else why.ERROR)
             self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason.value)
             log.warning("adapter %s() failed: %s", op, exc)
+            self._failing[op] = (self._failing.get(op, (0, ""))[0] + 1, reason.value)
             return None
+        self._failing.pop(op, None)
+        return result
 
     def start(self) -> None:
         nudged = self.min_interval_s is not None and self._introspection is not None
@@ -183,10 +192,17 @@ class AllocatorPoller:
         self._nudge_due = not nudged
 
     @property
-    def blind(self) -> bool:
-        """Whether polls go unanswered: the adapter's allocator() (or block_tables()) calls
-        are stuck past the guard's limit, so every poll is refused until one returns."""
-        return self.guard.refusing("allocator") or self.guard.refusing("block_tables")
+    def degraded(self) -> list[str]:
+        """Why the allocator checks are blind, if they are: ``allocator_calls_stuck`` while
+        the guard refuses allocator()/block_tables() behind stuck calls, or the last
+        :data:`BLIND_AFTER` polls' calls all ran past their limit;
+        ``allocator_calls_failing`` when they all raised. Empty once a call answers."""
+        out: set[str] = set()
+        for op, (fails, reason) in list(self._failing.items()):
+            if self.guard.refusing(op) or fails >= BLIND_AFTER:
+                out.add("allocator_calls_failing" if reason == S.AdapterErrorReason.ERROR.value
+                        and not self.guard.refusing(op) else "allocator_calls_stuck")
+        return sorted(out)
 
     @property
     def alive(self) -> bool:

@@ -40,7 +40,7 @@ def monitor_health(monitor: Monitor, parts: Mapping[str, Callable[[], bool]] | N
     # Said, not failed: a wedged engine call is the engine's state, and a liveness probe
     # restarting the sidecar for it would not unwedge it (the alert on
     # adapter_errors{reason="refused"}, KVSidecarAdapterErrors, warns of it).
-    degraded = ["allocator_calls_stuck"] if h.get("allocator_blind") else []
+    degraded = list(h.get("allocator_degraded", ()))
     return {"ok": all(checks.values()), "checks": checks, "degraded": degraded,
             "pending_samples": pending,
             "seconds_since_verification": round(time.time() - last, 3) if last else None}

@@ -319,7 +319,7 @@ class Monitor(JournaledHooks, SampledHits):
         """What ``/healthz`` reports: the threads that must run, and whether verification
         progresses (silence is not health)."""
         return {"verifier_alive": self.dispatcher.alive, "poller_alive": self.poller.alive,
-                "allocator_blind": self.poller.blind,
+                "allocator_degraded": self.poller.degraded,
                 "journal_alive": self.journal.alive or not self._started,
                 "journal_pending": self.journal.pending, "journal_resets": self.journal.resets,
                 "pending_samples": self.dispatcher.pending,

@@ -57,6 +57,7 @@ class Guard:
         self._stuck: dict[str, int] = {}
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
+        self._closes = 0  # close() calls so far: a worker busy at one ends after its call
 
     @property
     def stuck(self) -> int:
@@ -74,10 +75,12 @@ class Guard:
         return self.stuck_in(op) >= self.max_stuck
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """End the idle workers now, so a stopped owner leaves no thread of its own behind
-        (calls still running end on their own; a later call starts a new worker)."""
+        """End the idle workers now, so a stopped owner leaves no thread of its own behind;
+        a worker busy with a call (running, or stuck past its limit) ends as that call
+        returns. A later call starts a new worker."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._closes += 1
         for worker in idle:
             worker.inbox.put(_stop)
         deadline = time.monotonic() + timeout_s
@@ -90,6 +93,7 @@ class Guard:
             if stuck >= self.max_stuck:
                 raise AdapterRefused(f"{op}: {stuck} earlier {op} calls still stuck")
             worker = self._idle.pop() if self._idle else None
+            closes = self._closes
         if worker is None:
             worker = _Worker(self)
         box: dict[str, object] = {}
@@ -108,7 +112,7 @@ class Guard:
                 with self._lock:
                     if state["abandoned"]:
                         self._stuck[op] -= 1
-                    keep = len(self._idle) < MAX_IDLE
+                    keep = len(self._idle) < MAX_IDLE and closes == self._closes
                     if keep:
                         self._idle.append(worker)
                     done.set()
