@@ -4,9 +4,12 @@
 # ran out of space building the third. These helpers make room before a build and read
 # pytest's "no tests ran" as the failure it is.
 
-# A directory's physical path ("" if it cannot be entered); CDPATH would make cd print.
+# A directory's physical path ("" if it cannot be entered). CDPATH would make cd print;
+# a bare "-" would be $OLDPWD, so relative names go as ./name.
 _physical() {
-    (CDPATH='' cd -P -- "$1" 2>/dev/null && pwd -P) || true
+    local path=$1
+    case $path in /*) ;; *) path=./$path ;; esac
+    (CDPATH='' cd -P -- "$path" 2>/dev/null && pwd -P) || true
 }
 
 # A path this script may delete: nothing at all, or a venv (a directory, not a link, with
@@ -14,6 +17,7 @@ _physical() {
 # nor holds it, this checkout or /. VENV_* can name any path: a typo must not rm -rf it.
 _removable_venv() {
     local path=$1 real here dev
+    while [ "${path%/}" != "$path" ] && [ "$path" != / ]; do path=${path%/}; done  # link/
     [ -n "$path" ] || return 1
     [ -e "$path" ] || [ -L "$path" ] || return 0
     [ -d "$path" ] && [ ! -L "$path" ] && [ -f "$path/pyvenv.cfg" ] || return 1
@@ -29,7 +33,7 @@ _removable_venv() {
 
 _free_mib() {
     local free
-    free=$(df -Pm . 2>/dev/null | awk 'NR == 2 { print $4 }') || true
+    free=$(df -m --output=avail . 2>/dev/null | tail -n 1 | tr -d ' ') || true
     case $free in
         '' | *[!0-9]*) return 1 ;;
     esac
@@ -48,6 +52,10 @@ engine_venv_room() {
         '' | *[!0-9]*) echo "$name: NEED_MIB must be a whole number of MiB, not '$need'" >&2
                        exit 1 ;;
     esac
+    if [ "${#need}" -gt 9 ]; then
+        echo "$name: NEED_MIB '$need' is more than any disk: at most 9 digits" >&2
+        exit 1
+    fi
     if ! _removable_venv "$venv"; then
         echo "$name: '$venv' exists and is not a venv this script may replace (no" \
             "pyvenv.cfg, a link, the dev venv or a directory holding it); remove it or" \
@@ -62,16 +70,20 @@ engine_venv_room() {
         for other in "${VENV_VLLM:-.venv-vllm}" "${VENV_LMCACHE:-.venv-lmcache}" \
                 "${VENV_SGLANG:-.venv-sglang}"; do
             [ "$other" = "$venv" ] || [ ! -d "$other" ] && continue
-            _removable_venv "$other" || continue
+            if ! _removable_venv "$other"; then
+                echo "$name: not removing '$other' (not a venv this script may delete)"
+                continue
+            fi
             [ "$(_physical "$other")" = "$(_physical "$venv")" ] && continue
             echo "$name: removing '$other' to make room (its test script rebuilds it when run)"
             rm -rf -- "$other"
-            free=$(_free_mib) || break
+            free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2
+                                   exit 1; }
             [ "$free" -ge "$need" ] && break
         done
     fi
     if [ "$free" -lt "$need" ]; then
-        echo "$name: only ${free} MiB free on $(df -P . | awk 'NR == 2 { print $6 }');" \
+        echo "$name: only ${free} MiB free on $(df --output=target . | tail -n 1);" \
             "building $venv needs ~${need} MiB. Free some disk and run again." >&2
         exit 1
     fi

@@ -39,7 +39,7 @@ def test_enough_room_keeps_the_other_venvs_and_clears_its_own(tmp_path: Path) ->
 
 def test_no_room_removes_other_engine_venvs_then_stops_with_the_numbers(
         tmp_path: Path) -> None:
-    done = _room(tmp_path, 1 << 40)  # more than any disk has
+    done = _room(tmp_path, 999_999_999)  # more than any disk has
     assert done.returncode == 1
     assert "built" not in done.stdout
     assert "removing '.venv-vllm'" in done.stdout and "removing '.venv-lmcache'" in done.stdout
@@ -55,7 +55,7 @@ def test_only_venvs_are_ever_removed_whatever_the_variables_name(tmp_path: Path)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "keep").write_text("x")
     (tmp_path / "link").symlink_to(tmp_path / ".venv-vllm")
-    done = _room(tmp_path, 1 << 40, env="export VENV_VLLM=data VENV_LMCACHE=.venv;")
+    done = _room(tmp_path, 999_999_999, env="export VENV_VLLM=data VENV_LMCACHE=.venv;")
     assert done.returncode == 1
     assert (tmp_path / "data" / "keep").exists() and (tmp_path / ".venv" / "marker").exists()
     for bad in (".", "data", "link", ".venv"):
@@ -79,17 +79,26 @@ def test_hostile_names_and_values_delete_nothing_they_should_not(tmp_path: Path)
                 'export CDPATH=.; export VENV_LMCACHE="$PWD/.venv";',
                 "export VENV_LMCACHE=' env';", "export VENV_LMCACHE=$'nope\\nenv';",
                 "export VENV_LMCACHE=-d;"):
-        done = _room(root, 1 << 40, env=env)
+        done = _room(root, 999_999_999, env=env)
         assert done.returncode == 1, env
         assert (outer / "pyvenv.cfg").exists() and (root / ".venv" / "marker").exists(), env
         assert (root / "env" / "pyvenv.cfg").exists(), env
+    (root / "-").mkdir()  # "-" is a name, not $OLDPWD: it holds the dev venv here
+    (root / "-" / "pyvenv.cfg").write_text("x")
+    (root / "-" / "dev").mkdir()
+    done = _room(root, 999_999_999, env='export DEV_VENV=./-/dev VENV_LMCACHE=-;')
+    assert done.returncode == 1 and (root / "-" / "pyvenv.cfg").exists()
+    assert "not removing '-'" in done.stdout
+    (root / "lnk").symlink_to(root / "env")
+    done = _room(root, 999_999_999, env="export VENV_VLLM=lnk/;")
+    assert (root / "env" / "pyvenv.cfg").exists()  # a link, with or without its slash
     done = _room(root, 1, venv="-rf")
     assert done.returncode == 0 and "built" in done.stdout  # '-rf' is a name, not a flag
-    for need in ("abc", "", "2.5", "-3"):
+    for need in ("abc", "", "2.5", "-3", "9" * 19):
         done = subprocess.run(
             ["bash", "-c", f'source "{LIB}"; engine_venv_room test-x .venv-sglang "{need}"'],
             cwd=root, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 1 and "whole number of MiB" in done.stderr, need
+        assert done.returncode == 1 and "NEED_MIB" in done.stderr, need
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "df").write_text("#!/bin/sh\nexit 1\n")

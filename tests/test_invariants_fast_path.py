@@ -132,6 +132,8 @@ def test_odd_but_readable_inputs_are_judged_as_the_walk_judged_them() -> None:
     cases = [
         _odd(ref_counts=np.array([0, 0, 1])),
         _odd(free=(0, 1.0)),
+        _odd(free=(0, 1, float("nan"))),  # min/max let a NaN by: ids are looked up
+        _odd(sequences={"a": (2, float("nan"))}),
         _odd(free=(1,), cached=(False,)),
         _odd(free=(2, 1), ref_counts=(0, 0, _FalsyInt(2)), sequences={}),
         _odd(free=(0,), cached=(1,), block_hashes=(None, _EqRaises(), _EqRaises()),
@@ -154,6 +156,21 @@ def test_a_hash_is_the_same_hash_as_itself_however_many_entries() -> None:
     other = _odd(free=(0,), cached=(1,), block_hashes=(None, float("nan"), None),
                  index=((float("nan"), 1),))
     assert [v.kind for v in check_snapshot(other)] == [K.STALE_INDEX]
+
+    class Liar:  # == says yes, != says yes too: judged by == whatever the entry count
+        def __eq__(self, o: object) -> bool:
+            return True
+
+        def __ne__(self, o: object) -> bool:
+            return True
+
+        __hash__ = object.__hash__
+
+    for entries in (1, 2):
+        snap = _odd(free=(0,), cached=(1,), ref_counts=(0, 0, 1),
+                    block_hashes=(None, Liar(), Liar() if entries == 2 else None),
+                    index=tuple((Liar(), b) for b in (1, 2)[:entries]))
+        assert check_snapshot(snap) == [], entries
 
 # ---------------------------------------------------------------- the oracle: every block walked
 def _walk_every_block(snap: BlockTableSnapshot) -> list[Violation]:

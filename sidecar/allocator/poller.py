@@ -42,6 +42,15 @@ log = logging.getLogger(__name__)
 BLIND_AFTER = 3  # consecutive failed polls of one call before /healthz calls it degraded
 
 
+def _check_tables(tables: Any) -> HI.InputReject | None:
+    """block_tables() output the checks can read: a sequence of snapshots (their contents
+    are judged by the checks themselves, sidecar.allocator.invariants)."""
+    if not isinstance(tables, Sequence) or isinstance(tables, (str, bytes)) or not all(
+            isinstance(t, BlockTableSnapshot) for t in tables):
+        return HI.InputReject.TYPE
+    return None
+
+
 class AllocatorPoller:
     def __init__(self, adapter: Adapter, metrics: Metrics, health: AllocatorHealth,
                  requests_done: Callable[[], int], timeout_s: float, every_s: float,
@@ -124,19 +133,29 @@ class AllocatorPoller:
         if HI.reject_adapter_output(self.metrics, "allocator",
                                     HI.check_allocator_state(state)):
             state = None
+            self._failed("allocator", S.AdapterErrorReason.GARBAGE)
         if state is not None:
+            self._failing.pop("allocator", None)  # answered
             self.metrics.allocator.update(state)
         tables: Sequence[BlockTableSnapshot] | None = None
         started = time.perf_counter()
         if self._introspection is not None:
             tables = self._call("block_tables", self._introspection.block_tables)
+            if tables is not None and HI.reject_adapter_output(
+                    self.metrics, "block_tables", _check_tables(tables)):
+                tables = None
+                self._failed("block_tables", S.AdapterErrorReason.GARBAGE)
+            elif tables is not None:
+                self._failing.pop("block_tables", None)  # answered
         try:
             # requests_done read after the snapshot: the index is never earlier than
             # the state it describes.
             self.health.observe(state, tables, self._requests_done(),
                                 time.perf_counter() - started, retake=self._retake)
+            self._failing.pop("check", None)
         except Exception:
             log.exception("allocator health check failed (poll skipped)")
+            self._failed("check", S.AdapterErrorReason.ERROR)
         self.polls += 1
         self.last_poll = time.time()
         return state
@@ -163,10 +182,13 @@ class AllocatorPoller:
                       why.REFUSED if isinstance(exc, AdapterRefused) else why.ERROR)
             self.metrics.inc(S.ADAPTER_ERRORS, op=op, reason=reason.value)
             log.warning("adapter %s() failed: %s", op, exc)
-            self._failing[op] = (self._failing.get(op, (0, ""))[0] + 1, reason.value)
+            self._failed(op, reason)
             return None
-        self._failing.pop(op, None)
         return result
+
+    def _failed(self, op: str, reason: S.AdapterErrorReason) -> None:
+        """One more failed poll of ``op`` in a row (``check``: the checks themselves)."""
+        self._failing[op] = (self._failing.get(op, (0, ""))[0] + 1, reason.value)
 
     def start(self) -> None:
         nudged = self.min_interval_s is not None and self._introspection is not None
@@ -196,12 +218,18 @@ class AllocatorPoller:
         """Why the allocator checks are blind, if they are: ``allocator_calls_stuck`` while
         the guard refuses allocator()/block_tables() behind stuck calls, or the last
         :data:`BLIND_AFTER` polls' calls all ran past their limit;
-        ``allocator_calls_failing`` when they all raised. Empty once a call answers."""
+        ``allocator_calls_failing`` when they all raised or returned garbage;
+        ``allocator_checks_failing`` when the checks themselves failed on what came back.
+        Empty once a call answers (a check runs)."""
         out: set[str] = set()
+        stuck = {S.AdapterErrorReason.TIMEOUT.value, S.AdapterErrorReason.REFUSED.value}
         for op, (fails, reason) in list(self._failing.items()):
-            if self.guard.refusing(op) or fails >= BLIND_AFTER:
-                out.add("allocator_calls_failing" if reason == S.AdapterErrorReason.ERROR.value
-                        and not self.guard.refusing(op) else "allocator_calls_stuck")
+            if self.guard.refusing(op):
+                out.add("allocator_calls_stuck")
+            elif fails >= BLIND_AFTER:
+                out.add("allocator_checks_failing" if op == "check" else
+                        "allocator_calls_stuck" if reason in stuck else
+                        "allocator_calls_failing")
         return sorted(out)
 
     @property
