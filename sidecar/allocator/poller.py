@@ -128,25 +128,15 @@ class AllocatorPoller:
             return self._poll_locked()
 
     def _poll_locked(self) -> AllocatorState | None:
-        state = self._call("allocator", self.adapter.allocator)
-        # Garbage would be kept and then fail every scrape: refused and counted here.
-        if HI.reject_adapter_output(self.metrics, "allocator",
-                                    HI.check_allocator_state(state)):
-            state = None
-            self._failed("allocator", S.AdapterErrorReason.GARBAGE)
+        # Garbage would be kept and then fail every scrape: refused and counted in _call.
+        state = self._call("allocator", self.adapter.allocator, HI.check_allocator_state)
         if state is not None:
-            self._failing.pop("allocator", None)  # answered
             self.metrics.allocator.update(state)
         tables: Sequence[BlockTableSnapshot] | None = None
         started = time.perf_counter()
         if self._introspection is not None:
-            tables = self._call("block_tables", self._introspection.block_tables)
-            if tables is not None and HI.reject_adapter_output(
-                    self.metrics, "block_tables", _check_tables(tables)):
-                tables = None
-                self._failed("block_tables", S.AdapterErrorReason.GARBAGE)
-            elif tables is not None:
-                self._failing.pop("block_tables", None)  # answered
+            tables = self._call("block_tables", self._introspection.block_tables,
+                                _check_tables)
         try:
             # requests_done read after the snapshot: the index is never earlier than
             # the state it describes.
@@ -164,7 +154,7 @@ class AllocatorPoller:
         """A second snapshot, to confirm what the first one showed broken."""
         if self._introspection is None:
             return None
-        return self._call("block_tables", self._introspection.block_tables)
+        return self._call("block_tables", self._introspection.block_tables, _check_tables)
 
     def _scheduled(self) -> None:
         """The schedule's poll: skipped while another poll runs (that one is as fresh), so
@@ -173,7 +163,12 @@ class AllocatorPoller:
             return
         self.poll()
 
-    def _call(self, op: str, fn: Any) -> Any:
+    def _call(self, op: str, fn: Any,
+              check: Callable[[Any], HI.InputReject | None]) -> Any:
+        """``fn()`` under the guard; what it returns, or ``None`` when it raised, ran past its
+        limit, was refused, or returned what ``check`` refuses (garbage). Each failure is
+        counted (``adapter_errors_total{op, reason}``) and one more in a row for
+        :attr:`degraded`; an answer ends the row."""
         try:
             result = self.guard.call(op, fn)
         except Exception as exc:
@@ -184,6 +179,12 @@ class AllocatorPoller:
             log.warning("adapter %s() failed: %s", op, exc)
             self._failed(op, reason)
             return None
+        if result is None:
+            return None
+        if HI.reject_adapter_output(self.metrics, op, check(result)):
+            self._failed(op, S.AdapterErrorReason.GARBAGE)
+            return None
+        self._failing.pop(op, None)  # answered
         return result
 
     def _failed(self, op: str, reason: S.AdapterErrorReason) -> None:
