@@ -31,6 +31,11 @@ _removable_venv() {
     return 0
 }
 
+_df_failed() {
+    echo "$1: cannot read the free disk here (df failed)" >&2
+    exit 1
+}
+
 _free_mib() {
     local free
     free=$(df -m --output=avail . 2>/dev/null | tail -n 1 | tr -d ' ') || true
@@ -62,9 +67,9 @@ engine_venv_room() {
             "point the VENV_* variable elsewhere" >&2
         exit 1
     fi
-    free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2; exit 1; }
+    free=$(_free_mib) || _df_failed "$name"  # before anything is removed
     rm -rf -- "$venv"
-    free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2; exit 1; }
+    free=$(_free_mib) || _df_failed "$name"
     echo "$name: ${free} MiB free here; $venv needs ~${need} MiB"
     if [ "$free" -lt "$need" ]; then
         for other in "${VENV_VLLM:-.venv-vllm}" "${VENV_LMCACHE:-.venv-lmcache}" \
@@ -74,11 +79,9 @@ engine_venv_room() {
                 echo "$name: not removing '$other' (not a venv this script may delete)"
                 continue
             fi
-            [ "$(_physical "$other")" = "$(_physical "$venv")" ] && continue
             echo "$name: removing '$other' to make room (its test script rebuilds it when run)"
             rm -rf -- "$other"
-            free=$(_free_mib) || { echo "$name: cannot read the free disk here (df failed)" >&2
-                                   exit 1; }
+            free=$(_free_mib) || _df_failed "$name"
             [ "$free" -ge "$need" ] && break
         done
     fi
