@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtestbed.bench.evidence_kill import kill_cycles
 from kvtestbed.bench.floods import good_lookup, hook_flood, http_flood, label_flood, reference
@@ -359,14 +359,17 @@ def run(args: argparse.Namespace) -> int:
         report(out)
         if not out["completed"]:
             kill_descendants()
-            sys.stderr.flush()
-            os._exit(state.exit_code)  # no interpreter teardown under live worker threads
-    # Done, printed, flushed: exit without the interpreter's teardown. The bench leaves
-    # threads behind on purpose (adapter calls abandoned past their limit, hostile peers'
-    # handlers), and about one run in 20-40 aborted after printing its JSON ("terminate
-    # called without an active exception", exit 134): the usual cause, a daemon thread
-    # ended by the finalizing interpreter inside a C++ (torch) frame. Not attributed to one
-    # thread; a stopped Monitor now leaves none of its own (Guard.close).
+            _exit_now(state.exit_code)
+    _exit_now(0 if out["ok"] else 1)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Printed and flushed: exit without the interpreter's teardown. The bench leaves
+    threads behind on purpose (adapter calls abandoned past their limit, hostile peers'
+    handlers), and about one run in 20-40 aborted after printing its JSON ("terminate
+    called without an active exception", exit 134): the usual cause, a daemon thread ended
+    by the finalizing interpreter inside a C++ (torch) frame. Not attributed to one thread;
+    a stopped Monitor now leaves none of its own (Guard.close)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if out["ok"] else 1)
+    os._exit(code)
