@@ -26,7 +26,7 @@ from sidecar.core.journal import CacheEventJournal
 from sidecar.core.journal_hooks import AS_IS_LIFECYCLE_EVENT
 from sidecar.core.protocol import BlockKV, BlockRef, BlockWrite, EngineInfo, Hit, SequenceId
 from sidecar.core.sampling import Sampler
-from sidecar.core.time_limits import adapter_exit
+from sidecar.core.time_limits import adapter_error
 from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason, InputReject
 
@@ -82,11 +82,10 @@ class SampledHits:
                 if b.ref in refs:
                     size += b.key.nbytes + b.value.nbytes
                     out[b.ref] = b
-        except Exception as exc:  # raised, or garbage returned: the verifier reads instead
-            self._hook_failed("capture", exc)
-            return None
-        except BaseException as exc:  # SystemExit & co from an adapter: never into the engine
-            self._hook_failed("capture", adapter_exit("capture", exc))
+        # Raised, or garbage returned: the verifier reads instead. A SystemExit & co too:
+        # never into the engine.
+        except BaseException as exc:
+            self._hook_failed("capture", adapter_error("capture", exc))
             return None
         if size > self.config.capture_max_bytes:
             self.metrics.inc(S.SAMPLES_DROPPED, reason=DropReason.CAPTURE_TOO_LARGE.value)

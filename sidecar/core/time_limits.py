@@ -41,8 +41,12 @@ class AdapterExit(RuntimeError):
     KeyboardInterrupt, GeneratorExit): an adapter bug, handled like any other error."""
 
 
-def adapter_exit(op: str, exc: BaseException) -> AdapterExit:
-    """``exc`` (a BaseException an adapter raised) as an ordinary error, its cause kept."""
+def adapter_error(op: str, exc: BaseException) -> Exception:
+    """What an adapter raised, as an ordinary error: an ``Exception`` as it is; a
+    ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit`` wrapped in
+    :class:`AdapterExit`, its cause kept, so it never unwinds the thread that called."""
+    if isinstance(exc, Exception):
+        return exc
     err = AdapterExit(f"{op} raised {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
@@ -103,10 +107,8 @@ class Guard:
         def run() -> bool:
             try:
                 box["result"] = fn(*args)
-            except Exception as exc:  # handed to the caller, never lost
-                box["error"] = exc
-            except BaseException as exc:  # SystemExit & co: must not unwind the caller
-                box["error"] = adapter_exit(op, exc)
+            except BaseException as exc:  # handed to the caller, never lost or unwinding it
+                box["error"] = adapter_error(op, exc)
             finally:
                 # Under the lock, so the caller's timeout decision and this exit agree.
                 with self._lock:

@@ -64,7 +64,7 @@ from sidecar.core.protocol import (
     TierState,
 )
 from sidecar.core.sampling import Burst, UniformSampler
-from sidecar.core.time_limits import Guard, adapter_exit
+from sidecar.core.time_limits import Guard, adapter_error
 from sidecar.signals import DropReason
 
 log = logging.getLogger(__name__)
@@ -249,12 +249,10 @@ class EngineFront(Outbox):
             if refs:
                 blocks = [b for b in self._capture(copy, refs) if b.ref in refs]
             size = sum(b.key.nbytes + b.value.nbytes for b in blocks)
-        except Exception as exc:  # the adapter could not copy them: no later read either
-            self._failed("capture", exc)
-            self.dropped[DropReason.ADAPTER_ERROR.value] += 1
-            blocks, size = [], 0
-        except BaseException as exc:  # SystemExit & co from an adapter: never into the engine
-            self._failed("capture", adapter_exit("capture", exc))
+        # The adapter could not copy them: no later read either. A SystemExit & co too:
+        # never into the engine.
+        except BaseException as exc:
+            self._failed("capture", adapter_error("capture", exc))
             self.dropped[DropReason.ADAPTER_ERROR.value] += 1
             blocks, size = [], 0
         if not blocks or size > self.config.capture_max_bytes:
