@@ -45,7 +45,7 @@ def test_quick_json_structure() -> None:
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
         "CPU seconds of the sidecar's process per run, vs SGLang's off",
-        "the tap's own time on SGLang's thread per request, vs SGLang's CPU per request (off)"]
+        "the tap's own time in SGLang's process per request, vs SGLang's CPU per request (off)"]
     tap_row = rows.pop()
     # The tap timed itself on SGLang's thread: some time per request, well under SGLang's
     # whole CPU per request.

@@ -274,10 +274,14 @@ class SglangSidecar:
 
     # ------------------------------------------------------------------ tests, CLI
     def quiesce(self, idle_s: float = 0.5, timeout_s: float = 10.0) -> None:
-        """Wait until the tap has been silent for ``idle_s`` (at most ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
+        """Wait until the tap has been silent for ``idle_s`` since this call, or since its
+        last message if later (at most ``timeout_s``): the tap's shipper sends what SGLang
+        handed it within its period (0.25 s), so events of a request that has answered are
+        in by then."""
+        called = time.monotonic()
+        deadline = called + timeout_s
         while time.monotonic() < deadline:
-            if time.monotonic() - self.receiver.last_message_at >= idle_s:
+            if time.monotonic() - max(self.receiver.last_message_at, called) >= idle_s:
                 return
             time.sleep(idle_s / 3)
 

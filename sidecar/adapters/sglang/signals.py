@@ -21,10 +21,11 @@ SGLANG_HIT_TOKENS_DISCREPANCY = _s("sglang_hit_tokens_discrepancy", G,
                                    "at the last scrape; requests in flight make it briefly "
                                    "non-zero, a steady rise means SGLang's hit metric is wrong.")
 SGLANG_TAP_SECONDS = _s("sglang_tap_seconds_total", C,
-                        "Wall time SGLang's scheduler thread spent in the kv-sidecar tap (its "
-                        "hooks' own work, SGLang's wrapped calls not included), as the tap "
-                        "reports it: the tap's cost, next to SGLang's CPU time; an upper bound "
-                        "of its CPU (a hook preempted on a busy host counts its wait).",
+                        "Time SGLang's process spent in the kv-sidecar tap, as the tap "
+                        "reports it: the wall time of its hooks' own work on the scheduler "
+                        "thread (SGLang's wrapped calls not included; a hook preempted on a "
+                        "busy host counts its wait) plus the CPU time of its shipper thread "
+                        "(packing and sending): the tap's cost, next to SGLang's CPU time.",
                         unit="seconds")
 SGLANG_SIGNALS: tuple[Signal, ...] = (
     SGLANG_CACHE_HIT_RATE, SGLANG_CACHED_TOKENS, SGLANG_HIT_TOKENS_DISCREPANCY,

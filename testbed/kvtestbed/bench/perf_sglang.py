@@ -74,11 +74,11 @@ def rows(res: dict[str, Any], names: list[str]) -> list[Row]:
 
 
 def _tap_time_row(res: dict[str, Any], name: str, what: str) -> list[Row]:
-    """The tap's own time on SGLang's scheduler thread over the timed rounds, as the tap
-    measures it (``kvsidecar_sglang_tap_seconds_total``: wall time inside its hooks, an
-    upper bound of its CPU), per request, against SGLang's whole CPU per request when off:
-    a figure the machine's noise does not blur the way it blurs a throughput ratio of two
-    runs."""
+    """The tap's own time in SGLang's process over the timed rounds, as the tap measures it
+    (``kvsidecar_sglang_tap_seconds_total``: wall time inside its hooks on the scheduler
+    thread, an upper bound of their CPU, plus its shipper thread's CPU), per request,
+    against SGLang's whole CPU per request when off: a figure the machine's noise does not
+    blur the way it blurs a throughput ratio of two runs."""
     import statistics
 
     st = (res.get("sidecar_status") or {}).get(name) or {}
@@ -89,7 +89,7 @@ def _tap_time_row(res: dict[str, Any], name: str, what: str) -> list[Row]:
     tap = (after["tap_seconds"] - before["tap_seconds"]) / max(requests, 1)
     off = statistics.median(rd["runs"]["off"]["cpu_s"]["sglang"] / rd["runs"]["off"]["requests"]
                             for rd in res["rounds"])
-    return [Row(f"SGLang {what}: the tap's own time on SGLang's thread per request, vs "
+    return [Row(f"SGLang {what}: the tap's own time in SGLang's process per request, vs "
                 "SGLang's CPU per request (off)", tap * 1e6, off * 1e6, "us",
                 tap / off if off > 0 else float("nan"), "-", None, "")]
 
