@@ -14,10 +14,12 @@ engine computes: it reports 0 external tokens and never delays a free.
 What it does, all best-effort (an error is logged and counted, never raised into vLLM):
 
 * scheduler half: for each newly scheduled request, a ``lookups`` entry (prompt tokens,
-  tokens hit); 1 hit in ``sample_every`` (the sidecar's seeded :class:`UniformSampler`) is
-  sampled and its blocks chosen (last full block + earlier ones in rotation, as the Monitor does).
-  A request whose ``cache_salt`` is a sidecar reference salt is the sidecar's own engine-side
-  recompute: not a lookup, its named blocks are captured once its prefill has run;
+  tokens hit), sent in batches (:mod:`.lookup_batch`: at most every 0.25 s, and when the
+  last scheduled request finishes); 1 hit in ``sample_every`` (the sidecar's seeded
+  :class:`UniformSampler`) is sampled and its blocks chosen (last full block + earlier ones
+  in rotation, as the Monitor does). A request whose ``cache_salt`` is a sidecar reference
+  salt is the sidecar's own engine-side recompute: not a lookup, its named blocks are
+  captured once its prefill has run;
 * worker half: after the step's forward, copies the chosen blocks into preallocated slots
   on their device, decoding the layout to (layers, kv_heads, block_size, head_dim) in that
   copy; host copy, packing and send run on the probe's own thread (:mod:`.shipper`);
@@ -66,6 +68,7 @@ from sidecar.adapters.vllm.block_writes import (
 from sidecar.adapters.vllm.engine_config import PROBE_KEYS
 from sidecar.adapters.vllm.groups import groups_from_specs
 from sidecar.adapters.vllm.layout import block_views, reported_layout, validate_layout
+from sidecar.adapters.vllm.lookup_batch import LookupBatch
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.shipper import CaptureOrder, Shipper, Staged, default_slots
 from sidecar.adapters.vllm.state_layout import (
@@ -132,8 +135,9 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._sampler = UniformSampler(extra["sample_every"], extra["seed"],
                                        burst=Burst(extra["burst_hits"], extra["burst_every"]))
         self._pipe = Pipe(extra["endpoint"], extra["pipe_hwm"])
-        # The worker half sends through its shipper's thread (the scheduler half, in
-        # another process, sends lookups on its own pipe directly: nothing to copy).
+        # The worker half sends through its shipper's thread; the scheduler half, in
+        # another process, sends lookups on its own pipe in batches (lookup_batch.py).
+        self._lookups = LookupBatch(self._pipe)
         self._shipper = Shipper(self._pipe, extra["capture_slots"]
                                 or default_slots(self._blocks_per_sample))
         self._group_layers = _group_layers(kv_cache_config)
@@ -226,8 +230,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
             meta.fills = self._writes.step(so, skip=references.__contains__)
         except Exception:
             log.exception("kv-sidecar probe: tracking block writes failed (ignored)")
-        if lookups:
-            self._pipe.send_message("lookups", items=lookups)
+        self._lookups.scheduled([req.req_id for req in so.scheduled_new_reqs], lookups)
 
     def _reference_order(self, req_id: str, seen: _Seen | None, prompt: list[int],
                          blocks: dict[int, list[int]], wanted: list[int]) -> CaptureOrder:
@@ -279,6 +282,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def _forget(self, req_id: str) -> None:
+        self._lookups.finished(req_id)
         self._seen.pop(req_id, None)
         self._writes.forget(req_id)
         self._pending_refs.pop(req_id, None)
@@ -385,6 +389,7 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._shipper.post_capture(build, kv, lookup)
 
     def shutdown(self) -> None:
+        self._lookups.send()
         self._send_counts(time.monotonic())
         self._shipper.close()
 
