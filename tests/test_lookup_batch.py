@@ -57,3 +57,20 @@ def test_a_full_batch_leaves_at_once_and_the_live_set_is_bounded(tmp_path: Any) 
     assert len(sent) == 2 and len(sent[1]) == MAX_LOOKUPS and batch.waiting == 0
     batch.scheduled([f"x{i}" for i in range(MAX_LIVE + 5)], [])
     assert len(batch._live) == MAX_LIVE  # oldest forgotten: memory stays bounded
+
+
+def test_waiting_lookups_leave_with_a_later_step_that_has_none(tmp_path: Any) -> None:
+    """A long request keeps the engine stepping (decode) with nothing new to look up: what
+    waits leaves with the first step past the period, not when that request finishes."""
+    batch, sent, now = _batch(tmp_path)
+    batch.scheduled(["long"], [[40, 0]])  # at once
+    now[0] += 0.05
+    batch.scheduled(["short"], [[12, 8]])
+    batch.finished("short")  # "long" still runs: held
+    for _ in range(3):  # decode steps within the period
+        now[0] += 0.05
+        batch.scheduled([], [])
+    assert len(sent) == 1
+    now[0] += 0.2
+    batch.scheduled([], [])
+    assert sent[1] == [[12, 8]] and batch.waiting == 0

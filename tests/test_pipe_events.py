@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, key_fields
+from sidecar.adapters.sglang.key_values import key_fields
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import pack, unpack
@@ -162,7 +163,7 @@ def test_key_field_values_are_bounded_at_the_tap_and_checked_at_the_sidecar() ->
     """A client chooses SGLang's extra_key: an outside check pinned 200 MB of the sidecar
     with 20 MB keys in stores (captures refused them, so such a hit was never verified).
     The tap sends a long value as its SHA-256; the sidecar holds stores to a capture's rule."""
-    from sidecar.adapters.sglang.tap import KEY_VALUE_CHARS
+    from sidecar.adapters.sglang.key_values import KEY_VALUE_CHARS
     from sidecar.adapters.vllm.wire import WireError, decode_key_fields
 
     short, long_a, long_b = "ns-1", "A" * 20_000_000, "A" * 19_999_999 + "B"

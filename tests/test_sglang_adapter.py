@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from sidecar.adapters.sglang.census import Census, check_census
-from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, key_fields
+from sidecar.adapters.sglang.key_values import key_fields
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 from sidecar.signals import InvariantKind as K
 
 BS = 4

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, _block_ids, key_fields
+from sidecar.adapters.sglang.key_values import key_fields
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, _block_ids
 from sidecar.core.protocol import CacheGroup, GroupKind
 
 BS = 4

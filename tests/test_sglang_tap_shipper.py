@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.adapters.sglang import tap as T
-from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, key_fields
+from sidecar.adapters.sglang import tap_shipper as T
+from sidecar.adapters.sglang.key_values import key_fields
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 from sidecar.adapters.vllm.wire import unpack
 
 BS = 4
@@ -118,7 +119,7 @@ def test_an_unpackable_message_is_counted_and_the_next_still_goes(
     tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
     tap._post("stores", ["\ud800"])  # a lone surrogate: msgpack cannot encode it
     tap.flush()
-    tap._send("alloc_failed", {"n": 1})  # between: the two hand-overs are not merged
+    tap.shipper.send("alloc_failed", {"n": 1})  # between: the two hand-overs are not merged
     tap._post("lookups", [[12, 8]])
     tap.close()
     kinds = [m["kind"] for _, m in sent]
@@ -149,3 +150,97 @@ def test_events_queued_on_sglang_thread_leave_from_the_shipper(tmp_path: Any,
     assert [(who, m["kind"]) for who, m in sent[1:]] == [
         ("kvsidecar-sglang-ship", "events"), ("kvsidecar-sglang-ship", "tap_stats")]
     assert [r[0] for r in sent[1][1]["runs"]] == ["lookups", "tap_stats"] * 2
+
+
+def test_a_hand_over_past_the_receivers_cap_leaves_in_pieces(tmp_path: Any,
+                                                             quiet_shipper: None) -> None:
+    """A cache flush frees every stored block in one run: the receiver refuses a message
+    of more than 2**18 items, so the shipper splits what one hook handed over."""
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
+    sent = _recording(tap)
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    n = 3 * T.RUN_ITEMS + 5
+    tap._post("lookups", [[12, 8]])
+    tap._post("frees", list(range(n)))
+    tap.flush(stats=True)
+    tap.close()
+    events = [m for _, m in sent if m["kind"] == "events"]
+    assert len(events) >= 4 and all(
+        sum(len(f.get("ids", f.get("items", ()))) for _, f in m["runs"]) <= T.RUN_ITEMS
+        for m in events)
+    assert [i for m in events for k, f in m["runs"] if k == "frees" for i in f["ids"]] == \
+        list(range(n))
+    kinds = [k for m in events for k, _ in m["runs"]]
+    assert kinds[0] == "lookups" and kinds[-1] == "tap_stats"
+
+
+def test_a_long_request_does_not_hold_the_others_events(tmp_path: Any, quiet_shipper: None,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """One request decoding for long keeps the tap's last-one-out hand-over from firing:
+    its allocations (every decode step) hand over what has waited a period."""
+    from sidecar.adapters.sglang import tap as tap_module
+
+    now = [1000.0]
+    monkeypatch.setattr(tap_module.time, "monotonic", lambda: now[0])
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
+    sent = _recording(tap)
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    f = key_fields(None, None)
+    tap.admitted("long", list(range(40)), 0, torch.arange(1, 41), f)
+    tap.admitted("short", list(range(12)), 8, torch.arange(1, 13), f)
+    tap.released("short")  # "long" still runs: nothing handed over
+    tap.allocated(torch.tensor([50]))  # a decode step within the period
+    assert tap._waiting == 2
+    now[0] += T.SHIP_EVERY_S
+    tap.allocated(torch.tensor([51]))  # past it: handed over
+    assert tap._waiting == 0
+    tap.shipper.ship()
+    assert [i for _, m in sent if m["kind"] == "events" for k, r in m["runs"]
+            if k == "lookups" for i in r["items"]] == [[40, 0], [12, 8]]
+    tap.close()
+
+
+def test_a_backlog_is_not_sent_on_sglangs_thread(tmp_path: Any, quiet_shipper: None) -> None:
+    """A census goes at once with what waits before it, unless the shipper is behind (more
+    than WAKE_AT waiting): then the shipper is woken and SGLang's thread returns."""
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=0)
+    sent = _recording(tap)
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    with tap.shipper._lock:  # the shipper is behind: it cannot drain while this is held
+        for _ in range(T.WAKE_AT + 1):
+            tap.shipper.send("alloc_failed", {"n": 1})
+        free = torch.arange(1, 65)
+        tap.census(free, torch.zeros(0, dtype=torch.int64), 0, 0, True)  # returns at once
+        assert [m["kind"] for _, m in sent] == ["hello"]
+    tap.close()
+    kinds = [m["kind"] for _, m in sent]
+    assert kinds.count("alloc_failed") == T.WAKE_AT + 1 and "census" in kinds
+    assert kinds.index("census") > max(i for i, k in enumerate(kinds) if k == "alloc_failed")
+
+
+def test_lookups_carried_through_an_outage_leave_on_a_quiet_server(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipe carries the lookups it could not send; once the sidecar is back, the shipper
+    retries them by itself: a server gone quiet must not keep them until its next request."""
+    import time
+
+    monkeypatch.setattr(T, "SHIP_EVERY_S", 0.01)
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
+    sent = _recording(tap)
+    up = [False]
+    recording = tap.pipe._raw_send
+    tap.pipe._raw_send = lambda data: up[0] and recording(data)  # type: ignore[method-assign]
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    for rid in ("a", "b"):
+        tap.admitted(rid, list(range(12)), 8, torch.arange(1, 13), key_fields(None, None))
+        tap.released(rid)
+    deadline = time.monotonic() + 60  # bounds a hang only
+    while tap.pipe.carried < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tap.pipe.carried == 2 and sent == []
+    up[0] = True  # the sidecar is back; no more traffic
+    while tap.pipe.carried and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tap.close()
+    assert [i for _, m in sent if m["kind"] == "lookups" for i in m["items"]] == [[12, 8]] * 2

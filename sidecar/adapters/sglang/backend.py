@@ -177,7 +177,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     to ``tap``. Instance attributes shadow the class's methods, so SGLang's own calls
     (``self.insert`` inside ``checkpoint``, ``self.free`` inside ``free_group_end``) go
     through the wrappers too; the class, and every ``isinstance`` check, stay SGLang's."""
-    from sidecar.adapters.sglang.tap import key_fields
+    from sidecar.adapters.sglang.key_values import key_fields
 
     allocator = slot_allocator(tree.token_to_kv_pool_allocator)
     alloc, free = allocator.alloc, allocator.free

@@ -35,29 +35,20 @@ each, and so did a message per run of one kind (kinds alternate per request); th
 are NumPy arrays for the same reason (a torch op per allocation or free costs several
 microseconds of dispatch).
 
-Every message goes, in order, onto a bounded queue that the tap's own shipper thread drains
-every :data:`SHIP_EVERY_S` (sooner when :data:`WAKE_AT` messages wait): the events batches
-are packed and sent there, off SGLang's thread, and batches queued back to back leave as one
-message. Profiled in a real server at 1 in 1000, a send on the scheduler's thread took
-~38 us of CPU but ~300 us of wall time (the thread woke ZMQ's I/O thread and lost its core
-to it on a busy host), and a batch left every ~8 requests. Three rare messages go at once,
-on SGLang's thread, with everything queued before them: hello, a sampled hit's capture and
-a census (with the stats), so an engine about to fail has sent what it checked (a fault
-test's SGLang exits right after the census that sees its fault). One thread sends at a time
-(the socket is not thread-safe). Past :data:`READY_LIMIT` waiting, a message is accounted
-as the pipe accounts one it could not send (a capture a dropped sample whose lookup still
-counts, lookups carried). The shipper's CPU time counts in the tap's ``busy_ns`` beside its
-hooks' own time.
+Every message goes, in order, to the tap's shipper (:mod:`.tap_shipper`): the batches are
+packed and sent by a thread of its own, off SGLang's thread (a send there cost ~300 us of
+wall time on a busy host); the hello, a sampled hit's capture and a census go at once,
+with everything queued before them. The outbox is also handed over from an allocation (a
+decode step) once it has waited :data:`~.tap_shipper.SHIP_EVERY_S`: a long request must not
+hold other requests' events back until it ends.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sidecar.adapters.sglang.tap_shipper import SHIP_EVERY_S, TapShipper
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.wire import capture_fields
 from sidecar.checks.keys import token_digest
@@ -75,9 +67,6 @@ log = logging.getLogger(__name__)
 
 _MAX_TRACKED = 10_000  # requests admitted and not yet released (bounded memory)
 OUTBOX_ITEMS = 64  # stores, frees and lookups held back at most before they are sent
-SHIP_EVERY_S = 0.25  # the shipper drains its queue this often when nobody wakes it
-WAKE_AT = 64  # messages waiting at which SGLang's thread wakes the shipper
-READY_LIMIT = 4096  # messages waiting for the shipper; past it each is accounted unsent
 
 
 NULL_SLOT = 0  # SGLang's padding slot; an SWA mapping of 0 means "no SWA slot" (tombstoned)
@@ -99,34 +88,6 @@ class PoolGroup:
         """A full-attention server's one group: every layer, in ``pool``."""
         return PoolGroup(CacheGroup(0, GroupKind.FULL_ATTENTION, tuple(range(len(
             pool.k_buffer))), name="full", null_block_ids=frozenset({NULL_SLOT})), pool)
-
-
-def key_fields(extra_key: Any, cache_salt: Any) -> dict[str, str]:
-    """The request's own values of what SGLang's radix key namespaces by, each bounded: a
-    value longer than :data:`KEY_VALUE_CHARS` or not valid UTF-8 (a client chooses
-    ``extra_key``) is sent as its SHA-256, so stores and captures stay small and packable
-    and compare equal exactly when the values do."""
-    return {"extra_key": _bounded(str(extra_key or "")),
-            "cache_salt": _bounded(str(cache_salt or ""))}
-
-
-KEY_VALUE_CHARS = 256
-
-
-def _bounded(value: str) -> str:
-    """``value``, or its hash when it is long or not valid UTF-8 (a lone surrogate, which
-    JSON can carry: msgpack cannot encode it, and the message naming it would be lost)."""
-    if len(value) <= KEY_VALUE_CHARS and (value.isascii() or _encodable(value)):
-        return value
-    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def bitmap(slots: torch.Tensor | np.ndarray, size: int) -> bytes:
@@ -162,24 +123,6 @@ def _ids(slots: torch.Tensor | np.ndarray) -> np.ndarray:
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
-def _merged(runs: list[list[Any]], ready: deque[tuple[str, dict[str, Any]]]) -> list[Any]:
-    """``runs`` and the runs of the ``events`` messages queued right behind it, as one
-    message (a run of one kind continued by the next message's run of that kind), up to
-    :data:`OUTBOX_ITEMS` x 64 items: the shipper sends one message where SGLang's thread
-    handed over several."""
-    total = sum(len(f.get("items", f.get("ids", ()))) for _, f in runs)
-    while ready and ready[0][0] == "events" and total < OUTBOX_ITEMS * 64:
-        for kind, f in ready.popleft()[1]["runs"]:
-            items = f.get("items", f.get("ids"))
-            last = runs[-1]
-            if items is not None and last[0] == kind:
-                last[1]["ids" if kind == "frees" else "items"].extend(items)
-            else:
-                runs.append([kind, f])
-            total += len(items or ())
-    return runs
-
-
 # What the tap's uniform sampler is shown for a hit it only counts down (see ``admitted``).
 _UNSAMPLED = Hit(tokens=[], hit_tokens=0, blocks={})
 
@@ -199,18 +142,12 @@ class SglangTap:
         self.pipe = Pipe(endpoint, pipe_hwm)
         self.errors = 0
         self.busy_ns = 0  # SGLang's thread in the tap (the backend's hooks add it up)
-        self.ship_errors = 0  # the shipper's (its own thread: not added to ``errors``)
-        self.ship_ns = 0  # the shipper thread's CPU time
-        # (kind, fields) for the shipper, in order; see the module docstring
-        self._ready: deque[tuple[str, dict[str, Any]]] = deque()
-        self._wake = threading.Event()
-        self._ship_lock = threading.Lock()
-        self._closing = False
-        self._shipper: threading.Thread | None = None
+        self.shipper = TapShipper(self.pipe, self._stats)
         self._admitted: OrderedDict[str, None] = OrderedDict()
         # (kind, items) in the order things happened; see the module docstring
         self._outbox: list[tuple[str, list[Any]]] = []
         self._waiting = 0  # items in the outbox
+        self._outbox_due = 0.0  # when the oldest waiting item must be handed over
         self._next_census = 0.0
         self.groups: tuple[PoolGroup, ...] = ()
         self.cache_groups: tuple[CacheGroup, ...] = ()
@@ -230,7 +167,7 @@ class SglangTap:
         self._is_block = np.zeros(self.size, dtype=bool)
         self._allocated = np.zeros(self.size, dtype=bool)
         k0 = self.groups[0].pool.k_buffer[0]
-        self._send("hello", dict(
+        self.shipper.send("hello", dict(
             sglang=engine_version, model=model,
             dtype=str(k0.dtype).removeprefix("torch."), block_size=self.block_size,
             kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
@@ -309,7 +246,7 @@ class SglangTap:
                                    group_slots[r.group_id][r.index * bs:(r.index + 1) * bs]))
                       for r in refs]
                 self.flush()
-                self._send("capture", {"key_fields": fields, **capture_fields(
+                self.shipper.send("capture", {"key_fields": fields, **capture_fields(
                     f"{rid}"[:200], "hit", None, prompt[:hit_tokens], len(prompt),
                     hit_tokens, {gid: list(ids) for gid, ids in hit.blocks.items()}, kv)},
                     now=True)
@@ -349,6 +286,8 @@ class SglangTap:
     def _post(self, kind: str, items: list[Any]) -> None:
         """Queue ``items`` of ``kind`` behind everything queued before them."""
         box = self._outbox
+        if not box:
+            self._outbox_due = time.monotonic() + SHIP_EVERY_S
         if box and box[-1][0] == kind:
             box[-1][1].extend(items)
         else:
@@ -367,72 +306,18 @@ class SglangTap:
         if stats:
             runs.append(["tap_stats", self._stats()])
         if runs:
-            self._send("events", {"runs": runs})
-
-    # ------------------------------------------------------------------ the shipper
-    def _send(self, kind: str, fields: dict[str, Any], now: bool = False) -> None:
-        """Queue one message for the shipper (SGLang's thread: an append, no lock); a full
-        queue accounts it as unsent. ``now``: send it, and everything queued before it, on
-        this thread at once (see :meth:`ship`)."""
-        ready = self._ready
-        if len(ready) >= READY_LIMIT or self._closing:
-            self.pipe.account_unsent(kind, **fields)
-            return
-        ready.append((kind, fields))
-        if now:
-            self.ship()
-        elif self._shipper is None:
-            self._shipper = threading.Thread(target=self._ship_loop, daemon=True,
-                                             name="kvsidecar-sglang-ship")
-            self._shipper.start()
-        elif len(ready) >= WAKE_AT and not self._wake.is_set():
-            self._wake.set()  # set() takes a lock: once is enough
-
-    def _ship_loop(self) -> None:
-        while not self._closing:
-            self._wake.wait(SHIP_EVERY_S)
-            self._wake.clear()
-            c0 = time.thread_time_ns()
-            self.ship()
-            self.ship_ns += time.thread_time_ns() - c0
-
-    def ship(self) -> None:
-        """Send what the queue holds, in order, on the calling thread: the shipper's, or
-        SGLang's for the few messages that go at once (hello, a sampled hit's capture, a
-        census: rare, and what an engine about to fail must not keep back: a fault test
-        whose SGLang exits right after its census lost that census to the queue). One
-        thread at a time (the socket is not thread-safe). A message that cannot be packed
-        is counted as a lost message (a capture as a dropped sample) and an error of the
-        tap."""
-        with self._ship_lock:
-            self._ship_ready()
-
-    def _ship_ready(self) -> None:
-        ready = self._ready
-        while ready:
-            kind, fields = ready.popleft()
-            if kind == "events":
-                fields = {"runs": _merged(fields["runs"], ready)}
-                for run in fields["runs"]:
-                    if run[0] == "tap_stats":
-                        run[1] = self._stats()
-            elif kind == "tap_stats":  # as of now: the shipper's own time and errors too
-                fields = self._stats()
-            try:
-                self.pipe.send_message(kind, **fields)
-            except Exception:  # not packable: counted, its fields not carried (they would
-                # fail every later message)
-                self.ship_errors += 1
-                log.exception("kv-sidecar sglang tap: sending a %s failed (counted)", kind)
-                self.pipe.account_unsent("capture" if kind == "capture" else "unsendable")
+            self.shipper.send("events", {"runs": runs})
 
     # ------------------------------------------------------------------ allocator events
     def allocated(self, slots: torch.Tensor | None) -> None:
         try:
             if slots is None:
-                self._send("alloc_failed", {"n": 1})
+                self.shipper.send("alloc_failed", {"n": 1})
                 return
             self._allocated[_ids(slots)] = True
+            # Every decode step allocates: a long request carries what waits out.
+            if self._waiting and time.monotonic() >= self._outbox_due:
+                self.flush()
         except Exception:
             self._failed("alloc")
 
@@ -477,7 +362,7 @@ class SglangTap:
             self._next_census = time.monotonic() + self.census_every_s
             self.flush()
             free, tree = _ids(free_slots), _ids(tree_slots)
-            self._send("census", dict(
+            self.shipper.send("census", dict(
                 total=self.size - 1, free_len=int(free.size), free=bitmap(free, self.size),
                 tree_len=int(tree.size), tree=bitmap(tree, self.size),
                 allocated=bitmap(self._handed_out(held_back), self.size),
@@ -487,13 +372,13 @@ class SglangTap:
             self._failed("census")
 
     def send_stats(self, now: bool = False) -> None:
-        self._send("tap_stats", dict(self._stats()), now=now)
+        self.shipper.send("tap_stats", dict(self._stats()), now=now)
 
     def _stats(self) -> dict[str, int]:
         """Errors and time of the tap in SGLang's process: its hooks on the scheduler's
         thread and its shipper's thread together."""
-        return {"errors": self.errors + self.ship_errors,
-                "busy_ns": self.busy_ns + self.ship_ns}
+        return {"errors": self.errors + self.shipper.errors,
+                "busy_ns": self.busy_ns + self.shipper.ship_ns}
 
     def _handed_out(self, held_back: torch.Tensor | None) -> np.ndarray:
         mask = self._allocated.copy()
@@ -506,11 +391,5 @@ class SglangTap:
         close the pipe once its thread is done with the socket."""
         self.flush()
         self.send_stats()
-        self._closing = True
-        if self._shipper is not None:
-            self._wake.set()
-            self._shipper.join(timeout_s)
-            if self._shipper.is_alive():
-                return  # still sending: the socket stays its own (the process is ending)
-        self.ship()
-        self.pipe.close()
+        if self.shipper.close(timeout_s):
+            self.pipe.close()

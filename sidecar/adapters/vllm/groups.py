@@ -25,6 +25,7 @@ block, plus earlier *required* blocks in rotation — never a null block.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,21 @@ def spec_kind(spec: Any) -> tuple[GroupKind, int | None]:
     if "SlidingWindow" in name or window:
         return GroupKind.SLIDING_WINDOW, int(window) if window else None
     return GroupKind.FULL_ATTENTION, None
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """A vLLM layer name's number (``model.layers.7.self_attn.attn`` -> 7; 0 without)."""
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else 0
+
+
+def group_layer_names(kv_cache_config: Any) -> dict[int, list[str]]:
+    """Each KV-cache group's layer names, by group id (``KVCacheConfig.kv_cache_groups``)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return {g: list(spec.layer_names) for g, spec in enumerate(groups)}
 
 
 def groups_from_specs(kv_cache_config: Any, layer_index: Any) -> list[tuple[CacheGroup,

@@ -4,7 +4,8 @@ vLLM's scheduler calls the probe on every step, and a step that admits requests 
 their lookups at once: a ZMQ send on the engine's busy loop per step. Profiled in a real
 SGLang server (the same pipe), such a send took ~38 us of CPU but ~300 us of wall time on a
 busy host (it wakes ZMQ's I/O thread, which can take the sending thread's core). Here a
-step's lookups wait, and leave at most every :data:`SEND_EVERY_S`, when a batch reaches
+step's lookups wait, and leave with the first step at least :data:`SEND_EVERY_S` after the
+last send (a step of any kind: a long request's decode steps carry them), when a batch reaches
 :data:`~sidecar.adapters.vllm.wire.MAX_LOOKUPS` (the receiver's cap per message), or when
 the last scheduled request finishes: an engine going quiet keeps nothing back, so the
 sidecar's hit counts match vLLM's once traffic stops. Sampled hits are not lookups here
@@ -45,8 +46,8 @@ class LookupBatch:
             live[rid] = None
         if lookups:
             self._items.extend(lookups)
-            if len(self._items) >= MAX_LOOKUPS or self._clock() >= self._due:
-                self.send()
+        if self._items and (len(self._items) >= MAX_LOOKUPS or self._clock() >= self._due):
+            self.send()  # checked every step: a long request's decode steps carry them out
 
     def finished(self, req_id: str) -> None:
         """A request finished (or was aborted); the last one out sends what waits."""

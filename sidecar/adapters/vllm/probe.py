@@ -14,12 +14,11 @@ engine computes: it reports 0 external tokens and never delays a free.
 What it does, all best-effort (an error is logged and counted, never raised into vLLM):
 
 * scheduler half: for each newly scheduled request, a ``lookups`` entry (prompt tokens,
-  tokens hit), sent in batches (:mod:`.lookup_batch`: at most every 0.25 s, and when the
-  last scheduled request finishes); 1 hit in ``sample_every`` (the sidecar's seeded
-  :class:`UniformSampler`) is sampled and its blocks chosen (last full block + earlier ones
-  in rotation, as the Monitor does). A request whose ``cache_salt`` is a sidecar reference
-  salt is the sidecar's own engine-side recompute: not a lookup, its named blocks are
-  captured once its prefill has run;
+  tokens hit; sent in batches, :mod:`.lookup_batch`); 1 hit in ``sample_every`` (the
+  sidecar's seeded :class:`UniformSampler`) is sampled and its blocks chosen (last full
+  block + earlier ones in rotation, as the Monitor does). A request whose ``cache_salt`` is
+  a sidecar reference salt is the sidecar's own engine-side recompute: not a lookup, its
+  named blocks are captured once its prefill has run;
 * worker half: after the step's forward, copies the chosen blocks into preallocated slots
   on their device, decoding the layout to (layers, kv_heads, block_size, head_dim) in that
   copy; host copy, packing and send run on the probe's own thread (:mod:`.shipper`);
@@ -42,7 +41,6 @@ SUPPORTED_VLLM`, a closed range, each end tested) and refuses to start on any ot
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,7 +64,7 @@ from sidecar.adapters.vllm.block_writes import (
     raw_digest,
 )
 from sidecar.adapters.vllm.engine_config import PROBE_KEYS
-from sidecar.adapters.vllm.groups import groups_from_specs
+from sidecar.adapters.vllm.groups import group_layer_names, groups_from_specs, layer_index
 from sidecar.adapters.vllm.layout import block_views, reported_layout, validate_layout
 from sidecar.adapters.vllm.lookup_batch import LookupBatch
 from sidecar.adapters.vllm.pipe import Pipe
@@ -92,7 +90,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _MAX_TRACKED = 10_000  # requests looked up but not yet scheduled/finished (bounded memory)
 _COUNTS_EVERY_S = 1.0  # fingerprint counts go out at least this often (and with captures)
 
@@ -135,13 +132,11 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._sampler = UniformSampler(extra["sample_every"], extra["seed"],
                                        burst=Burst(extra["burst_hits"], extra["burst_every"]))
         self._pipe = Pipe(extra["endpoint"], extra["pipe_hwm"])
-        # The worker half sends through its shipper's thread; the scheduler half, in
-        # another process, sends lookups on its own pipe in batches (lookup_batch.py).
-        self._lookups = LookupBatch(self._pipe)
+        self._lookups = LookupBatch(self._pipe)  # the scheduler half's (another process)
         self._shipper = Shipper(self._pipe, extra["capture_slots"]
                                 or default_slots(self._blocks_per_sample))
-        self._group_layers = _group_layers(kv_cache_config)
-        self._groups = [g for g, _ in groups_from_specs(kv_cache_config, _layer_index)]
+        self._group_layers = group_layer_names(kv_cache_config)
+        self._groups = [g for g, _ in groups_from_specs(kv_cache_config, layer_index)]
         self._hybrid = any(g.kind is not GroupKind.FULL_ATTENTION for g in self._groups)
         self._state_specs: dict[int, StateSpec] = {
             gid: state_spec(spec.kv_cache_spec)
@@ -302,14 +297,14 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._backend, layout = reported_layout(self._vllm_config, list(attention))
         validate_layout(attention, self._block_size, self._backend, layout)
         self._kv = dict(kv_caches)
-        self._layers = {g: sorted((n for n in names if n in kv_caches), key=_layer_index)
+        self._layers = {g: sorted((n for n in names if n in kv_caches), key=layer_index)
                         for g, names in groups.items()}
         first = next(iter(attention.values()))
         self._shipper.post(
             "hello", vllm=vllm.__version__, model=self._model,
             dtype=str(first.dtype).removeprefix("torch."), block_size=self._block_size,
             kv_heads=int(first.shape[1]), head_dim=int(first.shape[3]) // 2,
-            groups={g: [_layer_index(n) for n in names] for g, names in self._layers.items()},
+            groups={g: [layer_index(n) for n in names] for g, names in self._layers.items()},
             group_kinds={g.group_id: g.kind.value for g in self._groups},
             kv_layout=[str(first.dtype), list(first.shape[1:]), list(first.stride())])
 
@@ -392,14 +387,3 @@ class KVSidecarProbe(KVConnectorBase_V1, SupportsHMA):
         self._lookups.send()
         self._send_counts(time.monotonic())
         self._shipper.close()
-
-
-def _group_layers(kv_cache_config: Any) -> dict[int, list[str]]:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return {g: list(spec.layer_names) for g, spec in enumerate(groups)}
-
-
-def _layer_index(name: str) -> int:
-    m = _LAYER_INDEX.search(name)
-    return int(m.group(1)) if m else 0
-
