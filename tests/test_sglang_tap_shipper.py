@@ -244,3 +244,51 @@ def test_lookups_carried_through_an_outage_leave_on_a_quiet_server(
         time.sleep(0.01)
     tap.close()
     assert [i for _, m in sent if m["kind"] == "lookups" for i in m["items"]] == [[12, 8]] * 2
+
+
+def test_a_census_behind_thousands_of_events_wakes_the_shipper(tmp_path: Any,
+                                                               quiet_shipper: None) -> None:
+    """One message can hold thousands of events (a long prompt's stores): a census behind
+    it must not pack them on SGLang's thread; and the events waiting are bounded too."""
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=0)
+    sent = _recording(tap)
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    with tap.shipper._lock:  # the shipper cannot drain while this is held
+        tap._post("frees", list(range(T.AT_ONCE_ITEMS + 1)))  # one hand-over
+        tap.census(torch.arange(1, 65), torch.zeros(0, dtype=torch.int64), 0, 0, True)
+        assert [m["kind"] for _, m in sent] == ["hello"]  # returned at once
+        tap._post("frees", list(range(T.READY_ITEMS)))  # past the events bound: not taken
+        tap.flush()
+        assert tap.pipe.lost_messages == 1
+    tap.close()
+    kinds = [m["kind"] for _, m in sent]
+    assert "census" in kinds and kinds.index("census") > kinds.index("events")
+
+
+def test_a_loss_is_told_on_a_quiet_server(tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """A batch of stores lost while the sidecar was away, then no traffic: the shipper
+    tells the loss once the sidecar is back (the count rides on every message), without
+    counting its own tries while it is still away."""
+    import time
+
+    monkeypatch.setattr(T, "SHIP_EVERY_S", 0.01)
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
+    sent = _recording(tap)
+    up = [True]
+    recording = tap.pipe._raw_send
+    tap.pipe._raw_send = lambda data: up[0] and recording(data)  # type: ignore[method-assign]
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    up[0] = False
+    tap.inserted(list(range(12)), torch.arange(1, 13), 0, key_fields(None, None))
+    tap.flush()
+    deadline = time.monotonic() + 60  # bounds a hang only
+    while tap.pipe.lost_messages < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # ~10 periods of tries while away
+    assert tap.pipe.lost_messages == 1 and [m["kind"] for _, m in sent] == ["hello"]
+    up[0] = True
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tap.close()
+    assert sent[1][1]["kind"] == "tap_stats" and sent[1][1]["lost_messages"] == 1

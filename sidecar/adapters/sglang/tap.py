@@ -24,8 +24,9 @@ store always reaches the sidecar before a hit that names it):
 * ``census``: at most once per ``census_every_s``, the pool as SGLang keeps it (free list,
   tree slots, slots the tap saw allocated, evictable and protected sizes) for the sidecar's
   invariant checks;
-* ``tap_stats``: the tap's own errors and the time SGLang's thread spent in it (``busy_ns``,
-  added up by :mod:`.backend`'s hooks), with each census and when the server goes quiet.
+* ``tap_stats``: the tap's own errors and its time in SGLang's process (``busy_ns``: its
+  hooks' time, added up by :mod:`.backend`, plus its shipper's CPU), with each census and
+  when the server goes quiet.
 
 Stores, frees and lookups wait in one ordered outbox and are handed over together, as one
 ``events`` message: before a capture or a census (so the sidecar has every event that came

@@ -10,13 +10,15 @@ batches queued back to back leave as one message of at most :data:`RUN_ITEMS` it
 Three rare messages go at once, on the caller's thread, with everything queued before them
 (``now``): hello, a sampled hit's capture and a census, so an engine about to fail has sent
 what it checked (a fault test's SGLang exits right after the census that sees its fault)
-— unless more than :data:`WAKE_AT` wait (the shipper is behind: the caller wakes it
-instead of sending the backlog on SGLang's thread). One thread sends at a time (the socket
-is not thread-safe). Past :data:`READY_LIMIT` waiting, and for a message that cannot be
-packed, the pipe accounts it as one it could not send (a capture a dropped sample whose
-lookup still counts, a batch's lookups carried, the rest a lost message); lookups the pipe
-carries after an outage are retried every period even when the server is quiet. The
-shipper's CPU time (``ship_ns``) counts in the tap's time.
+— unless more than :data:`WAKE_AT` messages or :data:`AT_ONCE_ITEMS` events wait (the
+shipper is behind, or a hook handed over thousands: the caller wakes the shipper instead of
+packing the backlog on SGLang's thread). One thread sends at a time (the socket
+is not thread-safe). Past :data:`READY_LIMIT` messages or :data:`READY_ITEMS` events
+waiting, and for a message that cannot be packed, the pipe accounts it as one it could not
+send (a capture a dropped sample whose lookup still counts, a batch's lookups carried, the
+rest a lost message). On a quiet server after an outage, lookups the pipe carries are
+retried every period, and a loss the sidecar was not told of yet is told. The shipper's CPU
+time (``ship_ns``) counts in the tap's time.
 """
 
 from __future__ import annotations
@@ -34,13 +36,22 @@ log = logging.getLogger(__name__)
 
 SHIP_EVERY_S = 0.25  # the shipper drains its queue this often when nobody wakes it
 WAKE_AT = 64  # messages waiting at which the caller wakes the shipper
+AT_ONCE_ITEMS = 1024  # events waiting past which an at-once message wakes the shipper instead
 READY_LIMIT = 1024  # messages waiting for the shipper; past it each is accounted unsent
+READY_ITEMS = 1 << 18  # events waiting for the shipper; past it, the same
 RUN_ITEMS = 4096  # items of one events message (the receiver caps a message at 2**18)
 
 
 def _items(run: list[Any]) -> list[Any] | None:
     f = run[1]
     return f.get("items", f.get("ids"))
+
+
+def _count(kind: str, fields: dict[str, Any]) -> int:
+    """Events a message carries (one for any other message)."""
+    if kind != "events":
+        return 1
+    return sum(len(_items(r) or ()) for r in fields["runs"]) or 1
 
 
 def split_runs(runs: list[list[Any]]) -> list[list[list[Any]]]:
@@ -82,7 +93,12 @@ class TapShipper:
         self._stats = stats
         self.errors = 0  # messages that could not be packed
         self.ship_ns = 0  # this thread's CPU time
-        self._ready: deque[tuple[str, dict[str, Any]]] = deque()
+        self._ready: deque[tuple[str, dict[str, Any], int]] = deque()
+        # Events queued and shipped, each counter written by one thread (queued by the
+        # caller's, SGLang's; shipped under the lock): their difference is the backlog.
+        self._queued = 0
+        self._shipped = 0
+        self._counts_sent: tuple[int, int, int] = (0, 0, 0)  # the pipe's losses last told
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closing = False
@@ -92,11 +108,14 @@ class TapShipper:
         """Queue one message (the caller's thread: an append, no lock); ``now``: send it,
         and what waits before it, on this thread (module docstring)."""
         ready = self._ready
-        if len(ready) >= READY_LIMIT or self._closing:
+        n = _count(kind, fields)
+        backlog = self._queued - self._shipped
+        if len(ready) >= READY_LIMIT or backlog + n > READY_ITEMS or self._closing:
             self.pipe.account_unsent(kind, **fields)
             return
-        ready.append((kind, fields))
-        if now and len(ready) <= WAKE_AT:
+        ready.append((kind, fields, n))
+        self._queued += n
+        if now and len(ready) <= WAKE_AT and backlog <= AT_ONCE_ITEMS:
             self.ship()
             return
         if self._thread is None:
@@ -111,31 +130,52 @@ class TapShipper:
             self._wake.wait(SHIP_EVERY_S)
             self._wake.clear()
             c0 = time.thread_time_ns()
-            self.ship()
-            if not self._ready and self.pipe.carried:  # after an outage, on a quiet server
-                with self._lock:
-                    self.pipe.send_message("lookups", items=[])
+            try:
+                self.ship()
+                if not self._ready:
+                    self._tell_losses()
+            except Exception:  # the thread must outlive any one message: counted
+                self.errors += 1
+                log.exception("kv-sidecar sglang tap: shipping failed (counted)")
             self.ship_ns += time.thread_time_ns() - c0
+
+    def _tell_losses(self) -> None:
+        """On a quiet server after an outage: lookups the pipe carries are retried, and a
+        loss the sidecar has not heard of yet is told (every message carries the pipe's
+        loss counts: a tap_stats does)."""
+        pipe = self.pipe
+        counts = (pipe.dropped, pipe.lost_lookups, pipe.lost_messages)
+        if not pipe.carried and counts == self._counts_sent:
+            return
+        with self._lock:
+            if pipe.try_send("tap_stats", **self._stats()):
+                self._counts_sent = counts
 
     def ship(self) -> None:
         """Send what the queue holds, in order, on the calling thread."""
         with self._lock:
             ready = self._ready
             while ready:
-                kind, fields = ready.popleft()
+                kind, fields, n = ready.popleft()
                 if kind == "events":
-                    for runs in split_runs(_merged(fields["runs"], ready)):
-                        self._send(kind, {"runs": runs})
+                    runs, more = _merged(fields["runs"], ready)
+                    n += more
+                    for piece in split_runs(runs):
+                        self._send(kind, {"runs": piece})
                 else:
                     self._send(kind, self._stats() if kind == "tap_stats" else fields)
+                self._shipped += n
 
     def _send(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "events":
             for run in fields["runs"]:
                 if run[0] == "tap_stats":  # as of now: the shipper's time and errors too
                     run[1] = self._stats()
+        pipe = self.pipe
+        counts = (pipe.dropped, pipe.lost_lookups, pipe.lost_messages)
         try:
-            self.pipe.send_message(kind, **fields)
+            if pipe.send_message(kind, **fields):
+                self._counts_sent = counts  # the message carried them (at least)
         except Exception:  # not packable (a value msgpack refuses): counted
             self.errors += 1
             log.exception("kv-sidecar sglang tap: sending a %s failed (counted)", kind)
@@ -157,18 +197,22 @@ class TapShipper:
         return True
 
 
-def _merged(runs: list[list[Any]], ready: deque[tuple[str, dict[str, Any]]]) -> list[Any]:
+def _merged(runs: list[list[Any]], ready: deque[tuple[str, dict[str, Any], int]]
+            ) -> tuple[list[Any], int]:
     """``runs`` and the runs of the ``events`` messages queued right behind it, as one
     message (a run of one kind continued by the next message's run of that kind), up to
-    :data:`RUN_ITEMS` items: the shipper sends one message where SGLang's thread handed
-    over several."""
+    :data:`RUN_ITEMS` items, and the events the messages taken from ``ready`` counted: the
+    shipper sends one message where SGLang's thread handed over several."""
     total = sum(len(_items(r) or ()) for r in runs)
+    taken = 0
     while ready and ready[0][0] == "events" and total < RUN_ITEMS:
-        for run in ready.popleft()[1]["runs"]:
+        _, fields, n = ready.popleft()
+        taken += n
+        for run in fields["runs"]:
             items, last = _items(run), runs[-1]
             if items is not None and last[0] == run[0] and _items(last) is not None:
                 _items(last).extend(items)  # type: ignore[union-attr]
             else:
                 runs.append(run)
             total += len(items or ())
-    return runs
+    return runs, taken

@@ -71,6 +71,16 @@ class Pipe:
             self._account(kind, fields)
             return False
 
+    def try_send(self, kind: str, **fields: Any) -> bool:
+        """Send lookups this pipe carries, then one message, if the socket takes them; a
+        message that cannot go is neither carried nor counted: for one that only repeats
+        what every later message carries anyway (the loss counts, a tap's stats), retried
+        while a quiet engine's sidecar is away."""
+        with self._lock:
+            if self._carry and not self._send_lookups([]):
+                return False
+            return self._send(kind, fields)
+
     def account_unsent(self, kind: str, **fields: Any) -> None:
         """A message that was never offered to the socket (the shipper was full): counted
         as if its send had failed, a capture's lookup carried."""
