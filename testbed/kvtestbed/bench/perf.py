@@ -349,7 +349,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
         print(f"\n{settings['seconds']}s; medians of {repeats} repeat(s); spread = min..max")
-    return 0
+    from kvtestbed.bench.exit_now import exit_now
+
+    exit_now(0)  # the measured monitors' threads must not abort the teardown (exit_now.py)
 
 
 def _progress(msg: str, args: argparse.Namespace) -> None:

@@ -31,9 +31,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from kvtestbed.bench.evidence_kill import kill_cycles
+from kvtestbed.bench.exit_now import exit_now
 from kvtestbed.bench.floods import good_lookup, hook_flood, http_flood, label_flood, reference
 from kvtestbed.bench.fuzz import FuzzResult, fuzz_events, fuzz_hooks, fuzz_http, fuzz_probe
 from sidecar import signals as S
@@ -359,17 +360,5 @@ def run(args: argparse.Namespace) -> int:
         report(out)
         if not out["completed"]:
             kill_descendants()
-            _exit_now(state.exit_code)
-    _exit_now(0 if out["ok"] else 1)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Printed and flushed: exit without the interpreter's teardown. The bench leaves
-    threads behind on purpose (adapter calls abandoned past their limit, hostile peers'
-    handlers), and about one run in 20-40 aborted after printing its JSON ("terminate
-    called without an active exception", exit 134): the usual cause, a daemon thread ended
-    by the finalizing interpreter inside a C++ (torch) frame. Not attributed to one thread;
-    a stopped Monitor now leaves none of its own (Guard.close)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+            exit_now(state.exit_code)
+    exit_now(0 if out["ok"] else 1)
