@@ -37,6 +37,20 @@ def _recording(tap: SglangTap) -> list[tuple[str, dict[str, Any]]]:
     return sent
 
 
+def _sidecar_that_can_go_away(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, up_at_start: bool
+                              ) -> tuple[SglangTap, list[tuple[str, dict[str, Any]]], list[bool]]:
+    """An attached tap with a short ship period whose socket takes messages only while
+    ``up[0]`` (the sidecar there; ``up_at_start`` when the hello goes)."""
+    monkeypatch.setattr(T, "SHIP_EVERY_S", 0.01)
+    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
+    sent = _recording(tap)
+    up = [up_at_start]
+    recording = tap.pipe._raw_send
+    tap.pipe._raw_send = lambda data: up[0] and recording(data)  # type: ignore[method-assign]
+    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    return tap, sent, up
+
+
 @pytest.fixture
 def quiet_shipper(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipper ships only when woken (a full queue, close): what it merges does not
@@ -225,13 +239,7 @@ def test_lookups_carried_through_an_outage_leave_on_a_quiet_server(
     retries them by itself: a server gone quiet must not keep them until its next request."""
     import time
 
-    monkeypatch.setattr(T, "SHIP_EVERY_S", 0.01)
-    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
-    sent = _recording(tap)
-    up = [False]
-    recording = tap.pipe._raw_send
-    tap.pipe._raw_send = lambda data: up[0] and recording(data)  # type: ignore[method-assign]
-    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    tap, sent, up = _sidecar_that_can_go_away(tmp_path, monkeypatch, up_at_start=False)
     for rid in ("a", "b"):
         tap.admitted(rid, list(range(12)), 8, torch.arange(1, 13), key_fields(None, None))
         tap.released(rid)
@@ -272,13 +280,7 @@ def test_a_loss_is_told_on_a_quiet_server(tmp_path: Any, monkeypatch: pytest.Mon
     counting its own tries while it is still away."""
     import time
 
-    monkeypatch.setattr(T, "SHIP_EVERY_S", 0.01)
-    tap = SglangTap(f"ipc://{tmp_path}/p.sock", BS, sample_every=10**9, census_every_s=3600)
-    sent = _recording(tap)
-    up = [True]
-    recording = tap.pipe._raw_send
-    tap.pipe._raw_send = lambda data: up[0] and recording(data)  # type: ignore[method-assign]
-    tap.attach([PoolGroup.full(FakePool(64))], 64, "0.5.23", "tiny")
+    tap, sent, up = _sidecar_that_can_go_away(tmp_path, monkeypatch, up_at_start=True)
     up[0] = False
     tap.inserted(list(range(12)), torch.arange(1, 13), 0, key_fields(None, None))
     tap.flush()
