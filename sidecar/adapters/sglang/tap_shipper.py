@@ -144,7 +144,7 @@ class TapShipper:
         loss the sidecar has not heard of yet is told (every message carries the pipe's
         loss counts: a tap_stats does)."""
         pipe = self.pipe
-        counts = (pipe.dropped, pipe.lost_lookups, pipe.lost_messages)
+        counts = pipe.loss_counts
         if not pipe.carried and counts == self._counts_sent:
             return
         with self._lock:
@@ -172,7 +172,7 @@ class TapShipper:
                 if run[0] == "tap_stats":  # as of now: the shipper's time and errors too
                     run[1] = self._stats()
         pipe = self.pipe
-        counts = (pipe.dropped, pipe.lost_lookups, pipe.lost_messages)
+        counts = pipe.loss_counts
         try:
             if pipe.send_message(kind, **fields):
                 self._counts_sent = counts  # the message carried them (at least)

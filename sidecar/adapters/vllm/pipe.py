@@ -54,6 +54,12 @@ class Pipe:
         self._sock.connect(endpoint)
 
     @property
+    def loss_counts(self) -> tuple[int, int, int]:
+        """What every message tells the receiver of this pipe's losses: captures dropped,
+        lookups lost, other messages lost."""
+        return self.dropped, self.lost_lookups, self.lost_messages
+
+    @property
     def carried(self) -> int:
         """Lookups held for the next message (the pipe was full when they were sent)."""
         return len(self._carry)
