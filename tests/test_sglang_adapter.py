@@ -275,6 +275,61 @@ def test_metrics_parse_reads_only_its_series_lines() -> None:
     assert parse(page + "not a sample line {\n") == whole
 
 
+def test_metrics_bridge_reads_sglang_at_its_own_period() -> None:
+    """The allocator poll (every 2 s) asks the bridge each time; SGLang's /metrics is read
+    only every ``every_s`` (a read cost SGLang's HTTP process ~8 ms of CPU), the first at
+    once; a direct ``poll()`` (tests, on demand) always reads, and restarts the period."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from sidecar import signals as S
+    from sidecar.adapters.sglang.metrics_bridge import SglangMetricsBridge
+    from sidecar.export.metrics import Metrics
+
+    reads = []
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            reads.append(self.path)
+            body = b"sglang:cached_tokens_total 42.0\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    now = [100.0]
+    try:
+        metrics = Metrics("sglang", "m", CollectorRegistry())
+        metrics.register(S.SGLANG_SIGNALS)
+        bridge = SglangMetricsBridge(metrics,
+                                     f"http://127.0.0.1:{httpd.server_port}/metrics",
+                                     lambda: 40, every_s=15.0, clock=lambda: now[0])
+        for t in (100.0, 102.0, 110.0, 114.9, 115.0, 116.0, 129.9):
+            now[0] = t
+            bridge.poll_if_due()
+        assert len(reads) == 2  # at 100 and 115
+        assert bridge.last == {"cache_hit_rate": None, "cached_tokens": 42.0,
+                               "counted_hit_tokens": 40}
+        now[0] = 120.0
+        bridge.poll()  # on demand: read now, next due at 135
+        now[0] = 130.0
+        bridge.poll_if_due()
+        assert len(reads) == 3
+        now[0] = 135.0
+        bridge.poll_if_due()
+        assert len(reads) == 4
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.mark.parametrize(("raw", "says"), [
     ('{"endpoint": "ipc:///tmp/kvs.sock", "block_size": 0}', "block_size must be an integer"),
     ('{"endpoint": "ipc:///tmp/kvs.sock", "sample_evry": 10}', "unknown key 'sample_evry'"),

@@ -22,6 +22,7 @@ import threading
 
 from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV, TAP_KEYS
+from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S
 from sidecar.checks import tolerance
 from sidecar.cli.arg_types import bounded
 from sidecar.config.settings import POLL_PERIOD
@@ -49,6 +50,7 @@ def _serve(a: argparse.Namespace) -> int:
     cfg = SglangSidecarConfig(
         model_dir=a.model, dtype=a.dtype, block_size=a.block_size, probe_endpoint=a.probe,
         metrics_url=a.metrics_url, reference=a.reference, allocator_every_s=a.poll_every,
+        metrics_every_s=a.metrics_every,
         # the tap samples in the engine, so 1 in 1 here
         sidecar=SidecarConfig(sample_every=1, blocks_per_sample=a.blocks_per_sample,
                               adapter_timeout_s=a.adapter_timeout,
@@ -104,7 +106,13 @@ def parser() -> argparse.ArgumentParser:
                        help="recomputed tokens per second at most (<= 0: unlimited)")
         s.add_argument("--poll-every", type=bounded(float, POLL_PERIOD.low or 0,
                                                     POLL_PERIOD.high), default=2.0,
-                       help="seconds between reads of SGLang's /metrics")
+                       help="seconds between publications of the allocator state (from "
+                            "the tap's latest slot census, sent about once a second)")
+        s.add_argument("--metrics-every", type=bounded(float, POLL_PERIOD.low or 0,
+                                                       POLL_PERIOD.high),
+                       default=METRICS_EVERY_S,
+                       help="seconds between reads of --metrics-url (each read costs "
+                            "SGLang's HTTP process ~8 ms of CPU)")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=9400)
         s.add_argument("--duration", type=float, default=0.0,

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.adapters.sglang.census import Census, check_census, decode_census
-from sidecar.adapters.sglang.metrics_bridge import SglangMetricsBridge
+from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S, SglangMetricsBridge
 from sidecar.adapters.vllm.adapter import (
     captured_hit,
     engine_info_from_checkpoint,
@@ -68,6 +68,7 @@ class SglangSidecarConfig:
     reference: str = "hf"  # "hf" or "none"
     deferred: bool = False
     allocator_every_s: float = 2.0
+    metrics_every_s: float = METRICS_EVERY_S  # reads of SGLang's /metrics (metrics_bridge)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
 
@@ -118,7 +119,7 @@ class SglangAdapter:
 
     def allocator(self) -> AllocatorState | None:
         if self.bridge is not None:
-            self.bridge.poll()
+            self.bridge.poll_if_due()
         c = self.census
         if c is None:
             return None
@@ -155,7 +156,8 @@ class SglangSidecar:
         self.engine_mismatches: list[str] = []
         if cfg.metrics_url:
             self.adapter.bridge = SglangMetricsBridge(
-                self.metrics, cfg.metrics_url, lambda: self.counted_hit_tokens)
+                self.metrics, cfg.metrics_url, lambda: self.counted_hit_tokens,
+                every_s=cfg.metrics_every_s)
         if cfg.reference == "hf":
             from sidecar.adapters.vllm.reference import HFReference
 
