@@ -362,9 +362,11 @@ def test_the_tap_config_fills_defaults_and_names_every_problem(
     from sidecar.adapters.sglang.backend import CONFIG_ENV, TAP_KEYS, tap_config
 
     # What tests/sglang/harness.py gives every real server it starts: a census at every
-    # chance (census_every_s 0). Refused for a moment here, which would have stopped them all.
+    # chance (census_every_s 0, census_share 0). Refused for a moment here, which would have
+    # stopped them all.
     harness = {"endpoint": "ipc:///tmp/kvs-sgl-x/probe.sock", "block_size": 16,
-               "sample_every": 1, "blocks_per_sample": 8, "seed": 0, "census_every_s": 0.0}
+               "sample_every": 1, "blocks_per_sample": 8, "seed": 0, "census_every_s": 0.0,
+               "census_share": 0.0}
     monkeypatch.setenv(CONFIG_ENV, json.dumps(harness))
     assert tap_config() == {**harness, "pipe_hwm": 256}
     monkeypatch.setenv(CONFIG_ENV, '{"endpoint": "tcp://127.0.0.1:5555", "sample_every": 7}')

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from sidecar.adapters.sglang.key_values import key_fields
-from sidecar.adapters.sglang.tap import PoolGroup, SglangTap, _block_ids
+from sidecar.adapters.sglang.slot_ids import block_names
+from sidecar.adapters.sglang.tap import PoolGroup, SglangTap
 from sidecar.core.protocol import CacheGroup, GroupKind
 
 BS = 4
@@ -52,7 +53,7 @@ def groups(full: FakePool, swa: FakePool, mapping: torch.Tensor) -> list[PoolGro
 
 def test_block_ids_are_null_where_any_slot_is_tombstoned() -> None:
     slots = torch.tensor([5, 6, 7, 8, 0, 0, 0, 0, 9, 0, 11, 12, 13, 14, 15, 16])
-    assert _block_ids(slots, BS) == [8, 0, 0, 16]
+    assert block_names(slots, BS) == [8, 0, 0, 16]
 
 
 def test_a_sampled_hit_carries_both_pools(sockdir: Path) -> None:

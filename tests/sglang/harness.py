@@ -105,7 +105,7 @@ def start_server(model: str, dtype: str, sockdir: Path, sample_every: int = 1,
     env["KVSIDECAR_SGLANG_TAP"] = json.dumps({
         "endpoint": f"ipc://{sockdir}/probe.sock", "block_size": BLOCK,
         "sample_every": sample_every, "blocks_per_sample": 8, "seed": 0,
-        "census_every_s": census_every_s})
+        "census_every_s": census_every_s, "census_share": 0.0})
     env["KVSIDECAR_SGLANG_FAULTS"] = faults
     log = sockdir / "server.log"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,

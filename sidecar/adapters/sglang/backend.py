@@ -22,7 +22,8 @@ Hooks (all ``try``/``except`` around the tap: nothing crosses into SGLang):
 * allocator ``alloc``/``free`` (also reached by eviction and by the tree's duplicate frees)
   -> allocation failures, frees of stored blocks, the tap's own allocated-slot map;
   ``clear`` (a cache flush) -> every stored block freed, the map reset;
-* at most once per ``census_every_s``, at a match (the scheduler admitting a request:
+* at most once per ``census_every_s`` (and at most ``census_share`` of SGLang's time, the
+  census's own cost counted), at a match (the scheduler admitting a request:
   between tree operations), a checkpoint or a release: the pool census (frees SGLang is
   still holding in a free group count as free, and as no longer handed out).
 
@@ -33,7 +34,8 @@ are refused with a line naming them.
 
 Configured by one environment variable, ``KVSIDECAR_SGLANG_TAP``, a JSON object:
 ``endpoint`` (required: the sidecar's probe socket), ``block_size`` (16), ``sample_every``
-(100), ``blocks_per_sample`` (2), ``seed`` (0), ``census_every_s`` (1.0), ``pipe_hwm`` (256).
+(100), ``blocks_per_sample`` (2), ``seed`` (0), ``census_every_s`` (1.0), ``census_share``
+(0.002), ``pipe_hwm`` (256).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ TAP_KEYS: dict[str, Setting] = {
     "blocks_per_sample": (int, 1, 1024, 2),
     "seed": (int, 0, (1 << 63) - 1, 0),
     "census_every_s": (float, 0.0, 86_400.0, 1.0),  # 0: at every chance (the tests)
+    "census_share": (float, 0.0, 1.0, 0.002),  # of SGLang's time at most (0: no limit)
     "pipe_hwm": (int, 1, 1 << 20, 256),
 }
 
@@ -103,7 +106,7 @@ def make_tap(ctx: Any) -> SglangTap:
         else [PoolGroup.full(_mha(allocator.get_kvcache()))]
     tap = SglangTap(cfg["endpoint"], cfg["block_size"], cfg["sample_every"],
                     cfg["blocks_per_sample"], cfg["seed"], cfg["census_every_s"],
-                    cfg["pipe_hwm"])
+                    cfg["pipe_hwm"], cfg["census_share"])
     tap.attach(groups, int(slot_allocator(allocator).size), sglang.__version__,
                str(getattr(ctx.model_config, "model_path", "")))
     return tap
