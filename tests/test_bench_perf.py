@@ -8,6 +8,9 @@ import json
 import math
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 
 def test_bench_perf_quick_json_has_every_figure() -> None:
@@ -54,3 +57,33 @@ def test_bench_perf_rejects_an_unknown_figure() -> None:
                           timeout=120)
     assert proc.returncode == 2
     assert "unknown figure" in proc.stderr and "warp" in proc.stderr
+
+
+def test_engine_instruction_profile_rows(monkeypatch: Any) -> None:
+    """The engine figure's instruction profile: its child's phases run (natively here: under
+    callgrind each ``os.getppid`` is a dump) and mark each phase, and the rows add each
+    share in turn over the detached engine, the polls priced at the default rate over the
+    detached engine's seconds per request; no profile, one row saying why."""
+    import os
+
+    from kvtestbed.bench import perf_engine_instructions as P
+
+    marks = []
+    monkeypatch.setattr(os, "getppid", lambda: marks.append(1) or 1)
+    P._child_main(2)
+    assert len(marks) == 7  # the 7 dumps instruction_profile reads
+    monkeypatch.setattr(P, "instruction_profile", lambda n: {
+        "requests": 10, "detached": 1_000_000, "attached": 1_002_000,
+        "journal_apply": 3_000, "poll": 20_000})
+    raw: dict[str, Any] = {"engine": {"detached": {"wall_s": 1.0, "requests": 100}}}
+    rows = {r.figure.split(": ", 1)[-1]: r for r in P.instruction_rows(False, raw)}
+    thread = next(r for k, r in rows.items() if k.startswith("the engine's thread"))
+    assert (thread.sidecar, thread.baseline) == (100_200, 100_000)
+    assert rows["+ journal apply"].sidecar == 100_500
+    polls = next(r for k, r in rows.items() if k.startswith("+ allocator polls"))
+    # 5 polls a second (1 scheduled + 4 nudged), 0.01 s per detached request
+    assert polls.sidecar == pytest.approx(100_500 + 0.05 * 20_000)
+    assert polls.ratio == pytest.approx(101_500 / 100_000)
+    monkeypatch.setattr(P, "instruction_profile", lambda n: {"error": "valgrind not installed"})
+    (skipped,) = P.instruction_rows(False, {})
+    assert "skipped (valgrind not installed)" in skipped.figure

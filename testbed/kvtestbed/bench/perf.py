@@ -317,6 +317,10 @@ def run(args: argparse.Namespace) -> int:
             share = prefill_share_row(raw)
             if share is not None:
                 rows.append(share)
+            if args.instructions or not (args.quick or args.no_instructions):
+                from kvtestbed.bench.perf_engine_instructions import instruction_rows
+
+                rows += instruction_rows(args.quick, raw)  # the same figure's profile
         elif fig == "checks":
             rows += check_rows(args.quick, repeats, raw)
         elif fig == "events":

@@ -299,7 +299,7 @@ def instruction_counts(n: int = 2000, timeout_s: float = 600.0) -> dict[str, Any
         if proc.returncode != 0:
             return {"error": f"callgrind child failed: {proc.stderr.strip()[-300:]}"}
         dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
-        totals = [_total(p) for p in dumps]
+        totals = [callgrind_total(p) for p in dumps]
     # Per case four dumps: set-up/gc before it, the hook, the journal apply, the no-op.
     if len(totals) < 4 * len(CASES):
         return {"error": f"expected {4 * len(CASES)} callgrind dumps, got {len(totals)}"}
@@ -311,7 +311,8 @@ def instruction_counts(n: int = 2000, timeout_s: float = 600.0) -> dict[str, Any
     return {"calls_per_phase": n, "cases": out_cases}
 
 
-def _total(path: Path) -> int:
+def callgrind_total(path: Path) -> int:
+    """The instruction total of one callgrind dump file (0 if it has none)."""
     for line in path.read_text(errors="replace").splitlines():
         m = re.match(r"(?:summary|totals):\s*(\d+)", line)
         if m:
