@@ -67,6 +67,18 @@ def test_a_costly_census_waits_in_proportion_to_its_cost(tmp_path: Any,
     assert [m["kind"] for m in sent].count("census") == 2
 
 
+def test_a_tiny_share_still_leaves_a_census_every_few_minutes(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tap, clock, _ = _tap(tmp_path, monkeypatch, census_every_s=1.0, census_share=1e-300)
+    began = clock.now
+    _census(tap, clock, 0.01)
+    clock.now = began + tap_module.MAX_CENSUS_WAIT_S - 1
+    assert not tap.census_due()
+    clock.now = began + tap_module.MAX_CENSUS_WAIT_S + 0.001
+    assert tap.census_due()
+    tap.close()
+
+
 def test_no_share_means_only_the_period(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """census_share 0 (the live tests: a census at every chance): the cost sets no wait."""
     tap, clock, _ = _tap(tmp_path, monkeypatch, census_every_s=0.0, census_share=0.0)

@@ -27,7 +27,7 @@ store always reaches the sidecar before a hit that names it):
   proportion to the pool (the tap's part ~0.03 ms at 4k slots, ~6.5 ms at 2M: bitmaps of
   every slot), so after one that took ``t`` (SGLang's reads included) the next waits at
   least ``t / census_share`` (a 2M-slot pool is censused every ~3-4 s at the default 0.002,
-  a small one every ``census_every_s``);
+  a small one every ``census_every_s``), never more than :data:`MAX_CENSUS_WAIT_S` for that;
 * ``tap_stats``: the tap's own errors and its time in SGLang's process (``busy_ns``: its
   hooks' time, added up by :mod:`.backend`, plus its shipper's CPU), with each census and
   when the server goes quiet.
@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 
 _MAX_TRACKED = 10_000  # requests admitted and not yet released (bounded memory)
 OUTBOX_ITEMS = 64  # stores, frees and lookups held back at most before they are sent
+# The longest a census's own cost can put the next one off (a tiny census_share must not
+# end the invariant checks); census_every_s may still set a longer period.
+MAX_CENSUS_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -351,7 +354,8 @@ class SglangTap:
             self._failed("census")
         if self.census_share > 0:
             took = time.monotonic() - began
-            self._next_census = max(self._next_census, began + took / self.census_share)
+            wait = min(took / self.census_share, MAX_CENSUS_WAIT_S)
+            self._next_census = max(self._next_census, began + wait)
 
     def send_stats(self, now: bool = False) -> None:
         """Queue a ``tap_stats``: its fields are taken by the shipper as it sends it."""
