@@ -79,6 +79,21 @@ def test_a_tiny_share_still_leaves_a_census_every_few_minutes(
     tap.close()
 
 
+def test_a_server_going_quiet_is_censused_within_the_budget_alone(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last running request's release: the census is due once its own cost allows,
+    whatever census_every_s says (the sidecar's idle leak check needs an idle census)."""
+    tap, clock, _ = _tap(tmp_path, monkeypatch, census_every_s=60.0, census_share=0.002)
+    began = clock.now
+    _census(tap, clock, 0.001)  # next by cost: 0.5 s on; by the period: 60 s on
+    clock.now = began + 0.4
+    assert not tap.census_due(quiet=True)
+    clock.now = began + 0.501
+    assert not tap.census_due()  # a busy server waits for the period
+    assert tap.census_due(quiet=True)
+    tap.close()
+
+
 def test_no_share_means_only_the_period(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """census_share 0 (the live tests: a census at every chance): the cost sets no wait."""
     tap, clock, _ = _tap(tmp_path, monkeypatch, census_every_s=0.0, census_share=0.0)

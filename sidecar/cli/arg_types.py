@@ -24,7 +24,7 @@ def bounded(kind: type, low: float, high: float | None = None) -> Callable[[str]
             raise argparse.ArgumentTypeError(
                 f"expected a {'whole number' if kind is int else 'number'}, got {text!r}"
             ) from None
-        if value < low or (high is not None and value > high):
+        if value != value or value < low or (high is not None and value > high):  # NaN too
             bound = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value

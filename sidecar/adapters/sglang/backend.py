@@ -269,7 +269,7 @@ def attach(tree: Any, tap: SglangTap) -> Any:
             tap.released(req.rid)
         except Exception:
             tap._failed("release hook")
-        _census(tree, tap)
+        _census(tree, tap, releasing=True)
         tap.busy_ns += clock() - t0
         return out
 
@@ -279,9 +279,19 @@ def attach(tree: Any, tap: SglangTap) -> Any:
     return tree
 
 
-def _census(tree: Any, tap: SglangTap) -> None:
-    """The pool census, when due (SGLang's structures read on its own thread)."""
-    if not tap.census_due():
+def _census(tree: Any, tap: SglangTap, releasing: bool = False) -> None:
+    """The pool census, when due (SGLang's structures read on its own thread).
+    ``releasing``: from a request's release, after SGLang freed its KV but before it frees
+    the request's row: the last one out counts as idle, and its census is due within the
+    cost budget alone (:meth:`SglangTap.census_due`), so a server that goes quiet is
+    censused idle (the leak check) rather than left at the last busy census."""
+    try:
+        req_pool = tree.req_to_token_pool
+        idle = req_pool.available_size() + int(releasing) == req_pool.size
+    except Exception:
+        tap._failed("census hook")
+        return
+    if not tap.census_due(quiet=releasing and idle):
         return
     try:
         allocator = slot_allocator(tree.token_to_kv_pool_allocator)
@@ -293,8 +303,6 @@ def _census(tree: Any, tap: SglangTap) -> None:
 
             held_back = torch.cat(pending)
             free = torch.cat([free, held_back])
-        req_pool = tree.req_to_token_pool
-        idle = req_pool.available_size() == req_pool.size
         tap.census(free, tree.all_values_flatten(), int(tree.evictable_size()),
                    int(tree.protected_size()), idle, held_back)
     except Exception:

@@ -21,7 +21,7 @@ sidecar's ``blocks{state}`` / ``usage_ratio`` come from it.
 from __future__ import annotations
 
 import logging
-import time
+import threading
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -63,28 +63,49 @@ METRICS_EVERY_S = 15.0
 
 
 class SglangMetricsBridge:
+    """Reads SGLang's /metrics every ``every_s`` on a thread of its own (:meth:`start`), so
+    a slow page never holds up the allocator poll, and the audit compares what both sides
+    counted since the bridge's first read when the sidecar came to a server that had already
+    served hits (SGLang's counter then holds hits no tap message will ever bring)."""
+
     def __init__(self, metrics: Metrics, url: str, counted: Callable[[], int],
-                 timeout_s: float = 2.0, every_s: float = METRICS_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float = 2.0, every_s: float = METRICS_EVERY_S) -> None:
         self.metrics = metrics
         self.url = url
         self.counted = counted
         self.timeout_s = timeout_s
         self.every_s = every_s
-        self._clock = clock
-        self._next = -float("inf")  # when the next read is due (the first: at once)
         self.last: dict[str, Any] = {}
+        self._base: float | None = None  # SGLang's cached tokens before the sidecar counted
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def poll_if_due(self) -> None:
-        """Read SGLang's /metrics if :attr:`every_s` has passed since the last read began
-        (the allocator poll calls this on its own, shorter, period)."""
-        if self._clock() >= self._next:
-            self.poll()
+    def start(self) -> None:
+        """Read now, then every :attr:`every_s` until :meth:`stop`."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="kvsidecar-sglang-metrics")
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception:  # the thread outlives any one read
+                log.exception("reading SGLang's metrics failed")
+            if self._stop.wait(self.every_s):
+                return
 
     def poll(self) -> dict[str, Any]:
         """Read SGLang's /metrics now: re-export its hit series and audit them against the
         hit tokens the tap counted."""
-        self._next = self._clock() + self.every_s
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
                 text = resp.read().decode("utf-8", "replace")
@@ -95,10 +116,14 @@ class SglangMetricsBridge:
             return self.last
         counted = self.counted()
         cached = series.get("sglang:cached_tokens_total", 0.0)
+        if self._base is None:  # the first read: hits from before the sidecar counted any
+            self._base = cached if counted == 0 else 0.0
         if "sglang:cache_hit_rate" in series:
             self.metrics.gauge(S.SGLANG_CACHE_HIT_RATE).set(series["sglang:cache_hit_rate"])
         self.metrics.gauge(S.SGLANG_CACHED_TOKENS).set(cached)
-        self.metrics.gauge(S.SGLANG_HIT_TOKENS_DISCREPANCY).set(abs(cached - counted))
+        discrepancy = abs(cached - self._base - counted)
+        self.metrics.gauge(S.SGLANG_HIT_TOKENS_DISCREPANCY).set(discrepancy)
         self.last = {"cache_hit_rate": series.get("sglang:cache_hit_rate"),
-                     "cached_tokens": cached, "counted_hit_tokens": counted}
+                     "cached_tokens": cached, "counted_hit_tokens": counted,
+                     "cached_before_sidecar": self._base, "discrepancy": discrepancy}
         return self.last

@@ -4,8 +4,8 @@
   pipe and checks as vLLM's probe) -> ``Monitor.on_lookup`` / ``on_captured`` for lookups
   and sampled hits, ``on_store`` / ``on_free`` for the tree's stores and frees, and the slot
   census -> :mod:`.census` invariants -> the Monitor's allocator health;
-* SGLang's ``/metrics`` (optional) -> :mod:`.metrics_bridge`, read when the Monitor's poller
-  asks the adapter for the allocator state;
+* SGLang's ``/metrics`` (optional) -> :mod:`.metrics_bridge`, read every
+  ``metrics_every_s`` on the bridge's own thread;
 * the Monitor verifies captures against :class:`sidecar.adapters.vllm.reference.HFReference`
   (transformers on the checkpoint directory SGLang serves).
 
@@ -118,8 +118,6 @@ class SglangAdapter:
         return list(self.reference.recompute(hit, refs))
 
     def allocator(self) -> AllocatorState | None:
-        if self.bridge is not None:
-            self.bridge.poll_if_due()
         c = self.census
         if c is None:
             return None
@@ -175,9 +173,13 @@ class SglangSidecar:
     def start(self) -> SglangSidecar:
         self.receiver.start()
         self.monitor.start()
+        if self.adapter.bridge is not None:
+            self.adapter.bridge.start()
         return self
 
     def stop(self) -> None:
+        if self.adapter.bridge is not None:
+            self.adapter.bridge.stop()
         self.receiver.stop()
         self.monitor.stop()
 

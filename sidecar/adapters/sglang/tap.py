@@ -28,6 +28,8 @@ store always reaches the sidecar before a hit that names it):
   every slot), so after one that took ``t`` (SGLang's reads included) the next waits at
   least ``t / census_share`` (a 2M-slot pool is censused every ~3-4 s at the default 0.002,
   a small one every ``census_every_s``), never more than :data:`MAX_CENSUS_WAIT_S` for that;
+  and once more, within that budget alone, as the last running request is released (a
+  server gone quiet is censused idle: the sidecar's leak check needs an idle census);
 * ``tap_stats``: the tap's own errors and its time in SGLang's process (``busy_ns``: its
   hooks' time, added up by :mod:`.backend`, plus its shipper's CPU), with each census and
   when the server goes quiet.
@@ -124,6 +126,7 @@ class SglangTap:
         self._outbox_due = 0.0  # when the oldest waiting item must be handed over
         self._next_census = 0.0
         self._census_began: float | None = None  # when census_due last said yes
+        self._next_by_cost = 0.0  # the census's own cost budget alone (a quiet server's)
         self.groups: tuple[PoolGroup, ...] = ()
         self.cache_groups: tuple[CacheGroup, ...] = ()
         self.size = 0
@@ -326,11 +329,13 @@ class SglangTap:
             self._failed("clear")
 
     # ------------------------------------------------------------------ census
-    def census_due(self) -> bool:
+    def census_due(self, quiet: bool = False) -> bool:
         """A census is due (and its time counts from now: SGLang's reads of its free list
-        and tree, between this and :meth:`census`, are part of its cost)."""
+        and tree, between this and :meth:`census`, are part of its cost). ``quiet``: the
+        server's last running request is being released: due within ``census_share``
+        alone, not ``census_every_s`` (an idle server is censused once more, idle)."""
         now = time.monotonic()
-        if now < self._next_census:
+        if now < (self._next_by_cost if quiet else self._next_census):
             return False
         self._census_began = now
         return True
@@ -354,8 +359,8 @@ class SglangTap:
             self._failed("census")
         if self.census_share > 0:
             took = time.monotonic() - began
-            wait = min(took / self.census_share, MAX_CENSUS_WAIT_S)
-            self._next_census = max(self._next_census, began + wait)
+            self._next_by_cost = began + min(took / self.census_share, MAX_CENSUS_WAIT_S)
+            self._next_census = max(self._next_census, self._next_by_cost)
 
     def send_stats(self, now: bool = False) -> None:
         """Queue a ``tap_stats``: its fields are taken by the shipper as it sends it."""
