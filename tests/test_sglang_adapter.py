@@ -356,3 +356,18 @@ def test_the_tap_config_fills_defaults_and_names_every_problem(
         tap_config()
     assert all(part in str(err.value) for part in ("unknown key 'x'", "block_size must be",
                                                    "census_every_s must be a number"))
+
+
+def test_reference_none_asks_for_no_recompute(tmp_path: Path) -> None:
+    """`serve --reference none` verifies without a recompute: the Monitor is told so, rather
+    than asking for one per sampled hit and logging each refusal as an adapter error."""
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
+
+    from sidecar.adapters.sglang.service import SglangSidecar, SglangSidecarConfig
+
+    model = str(write_tiny_llama(tmp_path / "model"))
+    for reference, recompute in (("none", False), ("hf", True)):
+        sc = SglangSidecar(SglangSidecarConfig(model, "float32", probe_endpoint=(
+            f"ipc://{tmp_path}/{reference}.sock"), reference=reference))
+        assert sc.monitor.config.recompute is recompute
+        sc.receiver.stop()

@@ -134,8 +134,11 @@ class SglangSidecar:
         # sliding group's SWA slots are named only by the hits that serve them.
         self.full_group = next(g.group_id for g in self.info.groups
                                if g.kind is GroupKind.FULL_ATTENTION)
+        # --reference none: no recompute asked for (not one refused per sampled hit, each
+        # an adapter error and a warning: an outside check saw 4,773 lines in 90 s)
         sidecar_cfg = dataclasses.replace(
             cfg.sidecar, allocator_every_s=cfg.allocator_every_s,
+            recompute=cfg.sidecar.recompute and cfg.reference != "none",
             dispatch="deferred" if cfg.deferred else cfg.sidecar.dispatch)
         self.monitor = Monitor(self.adapter, sidecar_cfg, registry, info=self.info)
         self.metrics = self.monitor.metrics
