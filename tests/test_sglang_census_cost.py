@@ -91,6 +91,12 @@ def test_a_server_going_quiet_is_censused_within_the_budget_alone(
     clock.now = began + 0.501
     assert not tap.census_due()  # a busy server waits for the period
     assert tap.census_due(quiet=True)
+    quiet_began = clock.now
+    tap.census(torch.arange(1, 65), torch.zeros(0, dtype=torch.int64), 0, 0, True)
+    clock.now = quiet_began + 59  # the budget allows it, but a quiet one was taken
+    assert not tap.census_due(quiet=True)  # (a server whose batches all end together)
+    clock.now = quiet_began + 60.001
+    assert tap.census_due(quiet=True)
     tap.close()
 
 

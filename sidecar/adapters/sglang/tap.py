@@ -28,8 +28,9 @@ store always reaches the sidecar before a hit that names it):
   every slot), so after one that took ``t`` (SGLang's reads included) the next waits at
   least ``t / census_share`` (a 2M-slot pool is censused every ~3-4 s at the default 0.002,
   a small one every ``census_every_s``), never more than :data:`MAX_CENSUS_WAIT_S` for that;
-  and once more, within that budget alone, as the last running request is released (a
-  server gone quiet is censused idle: the sidecar's leak check needs an idle census);
+  and once more as the last running request is released, within that budget and at most
+  once per ``census_every_s`` of such censuses (a server gone quiet is censused idle: the
+  sidecar's leak check needs an idle census);
 * ``tap_stats``: the tap's own errors and its time in SGLang's process (``busy_ns``: its
   hooks' time, added up by :mod:`.backend`, plus its shipper's CPU), with each census and
   when the server goes quiet.
@@ -127,6 +128,8 @@ class SglangTap:
         self._next_census = 0.0
         self._census_began: float | None = None  # when census_due last said yes
         self._next_by_cost = 0.0  # the census's own cost budget alone (a quiet server's)
+        self._next_quiet = 0.0  # a quiet server's census: at most once per census_every_s
+        self._quiet = False  # the census census_due last allowed is a quiet server's
         self.groups: tuple[PoolGroup, ...] = ()
         self.cache_groups: tuple[CacheGroup, ...] = ()
         self.size = 0
@@ -333,11 +336,13 @@ class SglangTap:
         """A census is due (and its time counts from now: SGLang's reads of its free list
         and tree, between this and :meth:`census`, are part of its cost). ``quiet``: the
         server's last running request is being released: due within ``census_share``
-        alone, not ``census_every_s`` (an idle server is censused once more, idle)."""
+        alone and at most once per ``census_every_s`` of quiet ones, whenever the last busy
+        one was (an idle server is censused once more, idle; a server whose every batch ends
+        together is not censused at every batch)."""
         now = time.monotonic()
-        if now < (self._next_by_cost if quiet else self._next_census):
+        if now < (max(self._next_by_cost, self._next_quiet) if quiet else self._next_census):
             return False
-        self._census_began = now
+        self._census_began, self._quiet = now, quiet
         return True
 
     def census(self, free_slots: torch.Tensor, tree_slots: torch.Tensor, evictable: int,
@@ -345,6 +350,8 @@ class SglangTap:
         """The pool as SGLang keeps it right now (on the scheduler's thread, so atomic).
         ``held_back``: frees SGLang has taken but not yet applied (a free group)."""
         began, self._census_began = self._census_began or time.monotonic(), None
+        if self._quiet:
+            self._next_quiet = began + self.census_every_s
         try:
             self._next_census = time.monotonic() + self.census_every_s
             self.flush()
