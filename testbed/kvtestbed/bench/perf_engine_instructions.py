@@ -20,11 +20,7 @@ thread wake-ups and GIL hand-overs on a host whose two cores are both busy.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from kvtestbed.bench.perf_row import Row
@@ -71,23 +67,11 @@ def _child_main(requests: int) -> None:
 def instruction_profile(requests: int = 40, timeout_s: float = 900.0) -> dict[str, Any]:
     """Instructions of each phase (module docstring) for ``requests`` requests, or why they
     are missing."""
-    if shutil.which("valgrind") is None:
-        return {"error": "valgrind not installed (apt-get install valgrind)"}
-    from kvtestbed.bench.perf_hooks import callgrind_total
+    from kvtestbed.bench.perf_hooks import callgrind_phases
 
-    with tempfile.TemporaryDirectory(prefix="kvsidecar-cg-engine-") as tmp:
-        out = Path(tmp) / "cg.out"
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-               "--dump-before=os_getppid", sys.executable, "-m", _CHILD, "--child",
-               str(requests)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"error": f"callgrind ran past {timeout_s:g}s"}
-        if proc.returncode != 0:
-            return {"error": f"callgrind child failed: {proc.stderr.strip()[-300:]}"}
-        dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
-        totals = [callgrind_total(p) for p in dumps]
+    totals = callgrind_phases(_CHILD, ["--child", str(requests)], timeout_s)
+    if isinstance(totals, str):
+        return {"error": totals}
     # set-up, detached drive, set-up, attached drive, journal apply, first poll, poll
     if len(totals) < 7:
         return {"error": f"expected 7 callgrind dumps, got {len(totals)}"}

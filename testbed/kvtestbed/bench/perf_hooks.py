@@ -286,20 +286,9 @@ def _child_main(n: int) -> None:
 
 def instruction_counts(n: int = 2000, timeout_s: float = 600.0) -> dict[str, Any]:
     """Instructions per call of each hook and of its no-op twin, or why they are missing."""
-    if shutil.which("valgrind") is None:
-        return {"error": "valgrind not installed (apt-get install valgrind)"}
-    with tempfile.TemporaryDirectory(prefix="kvsidecar-cg-") as tmp:
-        out = Path(tmp) / "cg.out"
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-               "--dump-before=os_getppid", sys.executable, "-m", _CHILD, "--child", str(n)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"error": f"callgrind ran past {timeout_s:g}s"}
-        if proc.returncode != 0:
-            return {"error": f"callgrind child failed: {proc.stderr.strip()[-300:]}"}
-        dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
-        totals = [callgrind_total(p) for p in dumps]
+    totals = callgrind_phases(_CHILD, ["--child", str(n)], timeout_s)
+    if isinstance(totals, str):
+        return {"error": totals}
     # Per case four dumps: set-up/gc before it, the hook, the journal apply, the no-op.
     if len(totals) < 4 * len(CASES):
         return {"error": f"expected {4 * len(CASES)} callgrind dumps, got {len(totals)}"}
@@ -309,6 +298,26 @@ def instruction_counts(n: int = 2000, timeout_s: float = 600.0) -> dict[str, Any
         out_cases[case.name] = {"hook": hook / n, "apply": apply / n,
                                 "total": (hook + apply) / n, "noop": noop / n}
     return {"calls_per_phase": n, "cases": out_cases}
+
+
+def callgrind_phases(module: str, args: list[str], timeout_s: float) -> list[int] | str:
+    """Run ``python -m module *args`` under callgrind, which dumps its counters before each
+    ``os.getppid()`` the child calls: the instructions of each phase between two markers,
+    in order; or why there are none (valgrind missing, the child failed or ran too long)."""
+    if shutil.which("valgrind") is None:
+        return "valgrind not installed (apt-get install valgrind)"
+    with tempfile.TemporaryDirectory(prefix="kvsidecar-cg-") as tmp:
+        out = Path(tmp) / "cg.out"
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+               "--dump-before=os_getppid", sys.executable, "-m", module, *args]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"callgrind ran past {timeout_s:g}s"
+        if proc.returncode != 0:
+            return f"callgrind child failed: {proc.stderr.strip()[-300:]}"
+        dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
+        return [callgrind_total(p) for p in dumps]
 
 
 def callgrind_total(path: Path) -> int:
