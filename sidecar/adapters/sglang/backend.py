@@ -284,16 +284,14 @@ def _census(tree: Any, tap: SglangTap, releasing: bool = False) -> None:
     ``releasing``: from a request's release, after SGLang freed its KV but before it frees
     the request's row: the last one out counts as idle, and its census is due within the
     cost budget alone (:meth:`SglangTap.census_due`), so a server that goes quiet is
-    censused idle (the leak check) rather than left at the last busy census."""
+    censused idle (the leak check) rather than left at the last busy census. The request
+    pool is read only then, or for a census that runs (not at every hook)."""
     try:
         req_pool = tree.req_to_token_pool
-        idle = req_pool.available_size() + int(releasing) == req_pool.size
-    except Exception:
-        tap._failed("census hook")
-        return
-    if not tap.census_due(quiet=releasing and idle):
-        return
-    try:
+        quiet = releasing and req_pool.available_size() + 1 == req_pool.size
+        if not tap.census_due(quiet=quiet):
+            return
+        idle = quiet or (not releasing and req_pool.available_size() == req_pool.size)
         allocator = slot_allocator(tree.token_to_kv_pool_allocator)
         free = allocator.get_all_free_pages()
         pending = getattr(allocator, "free_group", None)
