@@ -104,13 +104,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--adapter-timeout", type=float, default=10.0)
         s.add_argument("--recompute-budget", type=float, default=100_000.0,
                        help="recomputed tokens per second at most (<= 0: unlimited)")
-        s.add_argument("--poll-every", type=bounded(float, POLL_PERIOD.low or 0,
-                                                    POLL_PERIOD.high), default=2.0,
+        period = bounded(float, POLL_PERIOD.low or 0, POLL_PERIOD.high)
+        s.add_argument("--poll-every", type=period, default=2.0,
                        help="seconds between publications of the allocator state (from "
                             "the tap's latest slot census, sent about once a second)")
-        s.add_argument("--metrics-every", type=bounded(float, POLL_PERIOD.low or 0,
-                                                       POLL_PERIOD.high),
-                       default=METRICS_EVERY_S,
+        s.add_argument("--metrics-every", type=period, default=METRICS_EVERY_S,
                        help="seconds between reads of --metrics-url (each read costs "
                             "SGLang's HTTP process ~8 ms of CPU)")
         s.add_argument("--host", default="127.0.0.1")

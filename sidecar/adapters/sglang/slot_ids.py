@@ -18,7 +18,12 @@ def bitmap(slots: torch.Tensor | np.ndarray, size: int) -> bytes:
     ids = slot_array(slots)
     if ids.size:
         bits[ids] = True
-    return bytes(np.packbits(bits).tobytes())
+    return packed(bits)
+
+
+def packed(mask: np.ndarray) -> bytes:
+    """A boolean mask of slots as the census ships it (:func:`bitmap`'s bytes)."""
+    return bytes(np.packbits(mask).tobytes())
 
 
 def block_names(slots: torch.Tensor, block_size: int) -> list[int]:

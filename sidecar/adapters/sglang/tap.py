@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sidecar.adapters.sglang.slot_ids import NULL_SLOT, bitmap, block_names, slot_array
+from sidecar.adapters.sglang.slot_ids import NULL_SLOT, bitmap, block_names, packed, slot_array
 from sidecar.adapters.sglang.tap_shipper import SHIP_EVERY_S, TapShipper
 from sidecar.adapters.vllm.pipe import Pipe
 from sidecar.adapters.vllm.wire import capture_fields
@@ -386,7 +386,7 @@ class SglangTap:
         if held_back is not None and held_back.numel():
             mask = mask.copy()
             mask[slot_array(held_back)] = False
-        return bytes(np.packbits(mask).tobytes())
+        return packed(mask)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Queue what waits and the stats, let the shipper send them (a bounded wait), and
