@@ -42,12 +42,16 @@ def test_quick_json_structure() -> None:
         "CPU seconds of vLLM's processes per run, vs vLLM's off",
         "CPU seconds of the sidecar's process per run, vs vLLM's off"]
     for r in rows:
-        for key in ("sidecar", "baseline", "ratio"):
-            assert math.isfinite(r[key]) and r[key] > 0, r
+        # The sidecar's process, probing 1 in 100 of 200 requests, can use less than one of
+        # /proc's 10 ms ticks in a run: its CPU figure (and the spread's minimum) may read 0.
+        floor = 0.0 if "sidecar's process" in r["figure"] else 1e-12
+        assert math.isfinite(r["baseline"]) and r["baseline"] > 0, r
+        for key in ("sidecar", "ratio"):
+            assert math.isfinite(r[key]) and r[key] >= floor, r
         lo, hi = (float(x) for x in r["spread"].split(" ")[0].split(".."))
         # The spread is printed to 3 significant digits: compare the ratio rounded alike
         # (rounding keeps order; a median of 2 pairs can sit under its rounded-up minimum).
-        assert 0 < lo <= float(f"{r['ratio']:.3g}") <= hi, r
+        assert floor <= lo <= float(f"{r['ratio']:.3g}") <= hi, r
     assert rows[0]["target"] == ">= 0.97" and isinstance(rows[0]["met"], bool)
     raw = out["raw"]["vllm"]
     assert len(raw["rounds"]) == 2
@@ -66,7 +70,8 @@ def test_quick_json_structure() -> None:
     ratios = raw["ratios"]["100"]
     for key in ("tokens_per_s", "p50", "p99", "vllm_cpu", "sidecar_cpu"):
         assert len(ratios[key]["pairs"]) == 2
-        assert all(math.isfinite(x) and x > 0 for x in ratios[key]["pairs"])
+        floor = 0.0 if key == "sidecar_cpu" else 1e-12  # under a tick: above
+        assert all(math.isfinite(x) and x >= floor for x in ratios[key]["pairs"])
     # The probe was on: the sidecar saw the timed rounds' lookups and verified samples.
     st = raw["sidecar_status"]["on N=100"]
     assert st["end"]["lookups"] - st["after_warmup"]["lookups"] == 400
