@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # The hook a lifecycle event came through, for the reject counter's label.
 _LIFECYCLE_HOOK = {LifecycleOp.ALLOCATE: "on_allocate", LifecycleOp.FREE: "on_release",
                    LifecycleOp.HIT: "on_lookup"}
-_OP_STORE, _OP_EVICT = LifecycleOp.STORE, LifecycleOp.EVICT
+# Plain strings in the lifecycle tuples (sidecar.allocator.lifecycle: kept untracked).
+_OP_STORE, _OP_EVICT = LifecycleOp.STORE.value, LifecycleOp.EVICT.value
 _MAX_GENERATION = 1 << 62  # as sidecar.core.hook_input.check_store
 
 

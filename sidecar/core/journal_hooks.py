@@ -28,7 +28,8 @@ from sidecar.core import hook_input as HI
 from sidecar.core.hook_input import PLAIN_SEQS
 from sidecar.core.protocol import SequenceId, StoredBlock
 
-_OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE, LifecycleOp.FREE
+# Ops as plain strings in the tuples (sidecar.allocator.lifecycle: kept untracked by the GC).
+_OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE.value, LifecycleOp.FREE.value
 _MAX_TOKENS, _MAX_GROUP, _MAX_BLOCK_TOKENS = HI.MAX_TOKENS, HI.MAX_GROUP, HI.MAX_BLOCK_TOKENS
 _now = time.time
 
@@ -37,7 +38,7 @@ _now = time.time
 # element the kind; ``at`` is wall-clock time.time() when the hook ran:
 #   (STORE_EVENT, block: StoredBlock, token_hash: int | None, at)
 #   (FREE_EVENT, group_id, block_ids: tuple, at)
-#   (LIFECYCLE_EVENT, op: LifecycleOp, group_id, seq_id, block_ids: tuple,
+#   (LIFECYCLE_EVENT, op: LifecycleOp's value, group_id, seq_id, block_ids: tuple,
 #    generations: tuple, length: int | None, at)
 #   (AS_IS_LIFECYCLE_EVENT, ...): the same, applied without the per-id check: a sampled hit's
 #    (its ids are checked where they are read: the verifier, sidecar.core.hit_input, and the
@@ -66,7 +67,7 @@ def lifecycle_event(op: LifecycleOp, group_id: int, seq_id: Any, block_ids: Sequ
     """A lifecycle-only event (allocate, release, hit), kept in order with the rest;
     ``as_is``: the journal applies it without checking its ids and generations (a sampled
     hit's: checked where they are read)."""
-    return (AS_IS_LIFECYCLE_EVENT if as_is else LIFECYCLE_EVENT, op, group_id, seq_id,
+    return (AS_IS_LIFECYCLE_EVENT if as_is else LIFECYCLE_EVENT, op.value, group_id, seq_id,
             tuple(block_ids), tuple(generations), length, _now())
 
 

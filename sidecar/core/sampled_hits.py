@@ -30,7 +30,7 @@ from sidecar.core.time_limits import adapter_error
 from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason, InputReject
 
-_HIT, _now = LifecycleOp.HIT, time.time  # read once
+_HIT, _now = LifecycleOp.HIT.value, time.time  # read once; the op as a plain string
 
 
 class SampledHits:
