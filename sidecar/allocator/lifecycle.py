@@ -15,8 +15,8 @@ log stays affordable, and full detail around an anomaly. This module does both:
 ``record`` is the hot path: one plain tuple appended to a bounded deque (atomic in CPython)
 and a countdown, no lock; readers turn tuples into :class:`LifecycleEvent` off the engine's
 thread. The op goes in the tuple as its plain string (``"store"``): a tuple of ints,
-floats and strings is dropped from the garbage collector's tracking at the first young
-collection it survives, while one holding an enum member stays tracked, and a window of
+floats, strings and such tuples is dropped from the garbage collector's tracking in the
+young generations, while one holding an enum member stays tracked, and a window of
 tracked tuples living past the young generations brings on full collections of the whole
 heap (measured: ~2 us per applied store event in ``bench perf``).
 
