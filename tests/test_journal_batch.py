@@ -157,3 +157,16 @@ def test_applied_records_and_lifecycle_events_leave_the_collectors_tracking() ->
 def _ref(index: StoreIndex) -> BlockRef:
     g, b = next(iter(index._records))
     return BlockRef(g, 0, b)
+
+
+def test_key_fields_of_any_mapping_read_back_as_they_were_stored() -> None:
+    from types import MappingProxyType
+
+    index = StoreIndex(10)
+    fields = [{"adapter": "x", "lora": "7"}, MappingProxyType({"ns": "a", "salt": ""}), {}]
+    for i, kf in enumerate(fields):
+        index.record(StoredBlock(group_id=0, block_id=i, generation=1, tokens=[1, 2],
+                                 prefix_tokens=0, key_fields=kf))
+    snap, _ = index.snapshot([BlockRef(0, 0, i) for i in range(3)])
+    assert [dict(r.key_fields) for r in snap.values() if r is not None] == \
+        [dict(f) for f in fields]

@@ -113,12 +113,14 @@ class StoreIndex:
         epochs[key] = epoch
         records.pop(key, None)  # re-inserted last: LRU order
         kf = block.key_fields
+        if kf and type(kf) is not dict:  # another Mapping: one consistent copy first
+            kf = dict(kf)
         if own_hash is None:
             own_hash = tokens_hash(block.tokens)
         path = block.write_path
         path = _PATHS.get(path, "all") if isinstance(path, str) else "all"
         # A plain tuple, fields in StoreRecord's order (see _Raw). The chained digest is
-        # token_digest's, inline.
+        # token_digest's, inline. A dict's names and values iterate in one order.
         records[key] = (
             block.generation,
             hash((ROOT_DIGEST if parent_digest is None else parent_digest, own_hash)),
