@@ -155,7 +155,7 @@ def test_applied_records_and_lifecycle_events_leave_the_collectors_tracking() ->
 
 
 def _ref(index: StoreIndex) -> BlockRef:
-    g, b = next(iter(index._records))
+    g, b, _ = index.resident()[0]
     return BlockRef(g, 0, b)
 
 
