@@ -84,3 +84,4 @@ def test_what_the_carry_cannot_hold_is_counted_lost(tmp_path: Path) -> None:
     assert m.value(S.PROBE_LOST.name, what="lookups") == 3
     assert m.value(S.PROBE_LOST.name, what="messages") == pipe.lost_messages
     assert m.value(S.SAMPLES_DROPPED.name, reason="queue_full") == 0  # no sample was lost
+

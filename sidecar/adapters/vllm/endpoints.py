@@ -7,7 +7,10 @@ directory, created 0600 (this user only). No torch, no vLLM: both ends import it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import stat
 import tempfile
 
 # The system's temp and runtime directories (where examples and tests put their sockets).
@@ -50,6 +53,50 @@ def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
                for d in (os.path.realpath(d) for d in ipc_dirs)):
         raise ValueError(f"probe socket {path!r} is not under an allowed directory "
                          f"{list(ipc_dirs)}")
+    _check_free(ipc)
+
+
+def _check_free(path: str) -> None:
+    """ZMQ removes whatever is at an ``ipc://`` path it binds, without a word: refuse a
+    path that holds anything but a socket (a mistyped ``--probe`` would delete the file),
+    and a socket something still listens on (binding would take it over: two sidecars'
+    traffic mixed). A socket file nobody listens on is a stale one, replaced."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ValueError(f"probe socket path {path!r}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path!r} exists and is not a socket: binding the probe socket "
+                         "there would delete it (choose another path)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # stale: nobody listens there
+    raise ValueError(f"{path!r} is in use: something listens on it (another sidecar?); "
+                     "stop it or choose another path")
+
+
+def bound_file(endpoint: str) -> int | None:
+    """After a bind: the inode of an ``ipc://`` endpoint's socket file (None for tcp), for
+    :func:`remove_bound_file`."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    return os.stat(endpoint.removeprefix("ipc://")).st_ino
+
+
+def remove_bound_file(endpoint: str, inode: int | None) -> None:
+    """After the bound socket closed: remove its file (ZMQ leaves it behind: one per run
+    was left in /tmp), unless another bind has replaced it since (``inode`` differs)."""
+    if inode is None:
+        return
+    path = endpoint.removeprefix("ipc://")
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def check_peer_endpoint(endpoint: str) -> None:

@@ -29,7 +29,12 @@ from typing import Any
 import zmq
 
 from sidecar import signals as S
-from sidecar.adapters.vllm.endpoints import IPC_DIRS, check_endpoint
+from sidecar.adapters.vllm.endpoints import (
+    IPC_DIRS,
+    bound_file,
+    check_endpoint,
+    remove_bound_file,
+)
 from sidecar.adapters.vllm.wire import MAX_LOOKUPS, Capture, WireError, decode_capture, unpack
 from sidecar.export.metrics import Metrics
 from sidecar.signals import DropReason
@@ -155,6 +160,7 @@ class ProbeReceiver:
                 os.umask(old)
             if self.endpoint.startswith("ipc://"):
                 os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
+            socket_file = bound_file(self.endpoint)
         except (zmq.ZMQError, OSError) as exc:
             self._error = exc
             self._bound.set()
@@ -167,6 +173,7 @@ class ProbeReceiver:
                     self.handle(sock.recv())
         finally:
             sock.close(0)
+            remove_bound_file(self.endpoint, socket_file)
 
     @property
     def alive(self) -> bool:

@@ -25,7 +25,7 @@ import zmq
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.audit import EventAuditor
-from sidecar.adapters.vllm.endpoints import check_endpoint
+from sidecar.adapters.vllm.endpoints import bound_file, check_endpoint, remove_bound_file
 from sidecar.adapters.vllm.events import EventBatch, EventDecodeError, decode_message
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class EventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        socket_file = None
         try:
             if self.bind:
                 old = os.umask(0o177)  # an ipc socket file is created 0600
@@ -80,6 +81,7 @@ class EventSubscriber:
                     sub.bind(self.endpoint)
                 finally:
                     os.umask(old)
+                socket_file = bound_file(self.endpoint)
             else:
                 sub.connect(self.endpoint)
             self._ready.set()
@@ -92,6 +94,7 @@ class EventSubscriber:
         finally:
             self._ready.set()
             sub.close(0)
+            remove_bound_file(self.endpoint, socket_file)
 
     @property
     def alive(self) -> bool:

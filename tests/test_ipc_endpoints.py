@@ -1,0 +1,81 @@
+"""The ipc sockets the sidecar binds (the probe/tap receiver, a bound KV-event subscriber):
+ZMQ removes whatever is at an ``ipc://`` path it binds and leaves its socket file behind
+when it closes. The sidecar refuses a path that holds anything but a stale socket (a
+mistyped ``--probe`` deleted the file there; a live socket would be taken over), and
+removes the socket file it bound when it stops (outside check: one was left in /tmp per
+run), unless another bind has replaced it since."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from sidecar.adapters.vllm.audit import EventAuditor
+from sidecar.adapters.vllm.endpoints import check_endpoint
+from sidecar.adapters.vllm.receiver import ProbeReceiver
+from sidecar.adapters.vllm.subscriber import EventSubscriber
+from sidecar.export.metrics import Metrics
+
+
+def _receiver(path: Path) -> ProbeReceiver:
+    return ProbeReceiver(f"ipc://{path}", Metrics("vllm", "tiny"), lambda _: None,
+                         lambda _: None, ipc_dirs=(str(path.parent),))
+
+
+def test_a_path_holding_a_file_or_a_live_socket_is_refused_and_left_alone(
+        tmp_path: Path) -> None:
+    kept = tmp_path / "notes.json"
+    kept.write_text("{}")
+    with pytest.raises(ValueError, match="not a socket"):
+        check_endpoint(f"ipc://{kept}", (str(tmp_path),))
+    with pytest.raises(ValueError, match="not a socket"):
+        _receiver(kept)
+    assert kept.read_text() == "{}"
+    (tmp_path / "dir.sock").mkdir()
+    with pytest.raises(ValueError, match="not a socket"):
+        check_endpoint(f"ipc://{tmp_path}/dir.sock", (str(tmp_path),))
+
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(live))
+        listener.listen(1)
+        with pytest.raises(ValueError, match="in use"):
+            _receiver(live)
+        first = _receiver(tmp_path / "rx.sock").start()  # a live sidecar, too
+        try:
+            with pytest.raises(ValueError, match="in use"):
+                _receiver(tmp_path / "rx.sock")
+        finally:
+            first.stop()
+    assert live.is_socket()  # closed, nobody listens: a stale socket from here on
+    rx = _receiver(live).start()
+    rx.stop()
+    assert not live.exists()
+
+
+def test_the_receiver_removes_the_socket_file_it_bound_and_no_other(tmp_path: Path) -> None:
+    path = tmp_path / "r.sock"
+    for replaced in (False, True):
+        rx = _receiver(path).start()
+        assert path.is_socket()
+        if replaced:
+            path.unlink()
+            path.write_text("another sidecar's")
+        rx.stop()
+        assert path.exists() is replaced
+    assert path.read_text() == "another sidecar's"
+
+
+def test_a_bound_event_subscriber_removes_its_socket_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.sock"
+    sub = EventSubscriber(EventAuditor(Metrics("vllm", "tiny")), f"ipc://{path}", bind=True)
+    sub.start()
+    deadline = time.monotonic() + 30  # bounds a hang only
+    while not path.is_socket():
+        assert time.monotonic() < deadline, "the subscriber never bound"
+        time.sleep(0.02)
+    sub.stop()
+    assert not path.exists()
