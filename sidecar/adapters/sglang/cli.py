@@ -82,8 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kv-sidecar sglang", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    helps = {"engine-args": "print the flags that load the tap into SGLang's launch_server",
+             "serve": "run the sidecar beside a SGLang server started with those flags"}
     for name in ("engine-args", "serve"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, help=helps[name], description=helps[name] + ".")
         s.add_argument("--probe", required=True,
                        help="the tap's socket (the sidecar binds it), e.g. "
                             "ipc:///tmp/kvsidecar-sglang.sock")
@@ -104,13 +106,17 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--adapter-timeout", type=float, default=10.0)
         s.add_argument("--recompute-budget", type=float, default=100_000.0,
                        help="recomputed tokens per second at most (<= 0: unlimited)")
-        period = bounded(float, POLL_PERIOD.low or 0, POLL_PERIOD.high)
+        low, high = POLL_PERIOD.low or 0, POLL_PERIOD.high
+        period = bounded(float, low, high)
+        span = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
         s.add_argument("--poll-every", type=period, default=2.0,
                        help="seconds between publications of the allocator state (from "
-                            "the tap's latest slot census, sent about once a second)")
+                            "the tap's latest slot census, sent about once a second); "
+                            f"{span}, default %(default)s")
         s.add_argument("--metrics-every", type=period, default=METRICS_EVERY_S,
                        help="seconds between reads of --metrics-url (each read costs "
-                            "SGLang's HTTP process ~8 ms of CPU)")
+                            f"SGLang's HTTP process ~8 ms of CPU); {span}, default "
+                            "%(default)s")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=9400)
         s.add_argument("--duration", type=float, default=0.0,
