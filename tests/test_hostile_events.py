@@ -7,14 +7,29 @@ in the adapter."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 
 import pytest
 from kvtestbed.bench.fuzz import _probe_corpus
 
 from sidecar import signals as S
 from sidecar.adapters.vllm.wire import WireError, decode_capture
-from sidecar.core.protocol import StoredBlock
+from sidecar.core.protocol import BlockRef, StoredBlock
 from tests.conftest import make_toy
+
+
+class _UnreadableFields(Mapping[str, str]):
+    """Key fields whose iteration raises (an outside check's: the store was accepted, then
+    dropped where the journal applied it, with a traceback and no count)."""
+
+    def __getitem__(self, key: str) -> str:
+        return "a"
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("boom")
 
 
 @pytest.mark.parametrize("hook,args", [
@@ -23,6 +38,7 @@ from tests.conftest import make_toy
     ("on_free", (0, [-1])),
     ("on_free", (0, [2**70])),
     ("on_store", (StoredBlock(0, 5, 0, [[1], [2]], 0),)),
+    ("on_store", (StoredBlock(0, 5, 0, [1, 2], 0, key_fields=_UnreadableFields()),)),
     ("on_allocate", (0, 1, [1, 2], 5)),
     ("on_allocate", (0, 1, [None], [0])),
     ("on_release", (0, 1, [{"a": 1}])),
@@ -60,3 +76,16 @@ def test_a_capture_within_its_block_table_decodes() -> None:
     msg = next(m for m in _probe_corpus() if m["kind"] == "capture")
     cap = decode_capture(msg)
     assert sorted(cap.kv) == [(0, 0), (0, 1)]
+
+
+def test_key_fields_are_taken_when_on_store_is_called() -> None:
+    """An engine may reuse or change the mapping once the hook returns (outside check: a
+    mapping changed after the call gave false key-field anomalies on every block)."""
+    _, _, mon = make_toy()
+    fields = {"adapter": "a", "lora": "7"}
+    mon.on_store(StoredBlock(0, 5, 1, [1, 2], 0, key_fields=fields))
+    fields["adapter"] = "CHANGED"
+    del fields["lora"]
+    mon.journal.drain()
+    (record,) = mon.stored.snapshot([BlockRef(0, 0, 5)])[0].values()
+    assert record is not None and dict(record.key_fields) == {"adapter": "a", "lora": "7"}

@@ -162,7 +162,7 @@ class CacheEventJournal:
                                     and reject("on_store", check_store(block) or (
                                         InputReject.TYPE if ev[2] is None else None)):
                                 continue
-                            record(block, ev[2])
+                            record(block, ev[2], ev[4])
                             number += 1
                             add((number, ev[3], _OP_STORE, g, block.seq_id, (b,), (gen,),
                                  prefix + len(block.tokens)))

@@ -27,6 +27,7 @@ from sidecar.allocator import LifecycleOp
 from sidecar.core import hook_input as HI
 from sidecar.core.hook_input import PLAIN_SEQS
 from sidecar.core.protocol import SequenceId, StoredBlock
+from sidecar.core.store_index import key_fields_snapshot
 
 # Ops as plain strings in the tuples (sidecar.allocator.lifecycle: kept untracked by the GC).
 _OP_ALLOCATE, _OP_FREE = LifecycleOp.ALLOCATE.value, LifecycleOp.FREE.value
@@ -36,7 +37,8 @@ _now = time.time
 # ---------------------------------------------------------------- the event format
 # Each event is a plain tuple (the cheapest thing to build on the engine's thread), its first
 # element the kind; ``at`` is wall-clock time.time() when the hook ran:
-#   (STORE_EVENT, block: StoredBlock, token_hash: int | None, at)
+#   (STORE_EVENT, block: StoredBlock, token_hash: int | None, at, key_fields): the key
+#    fields as sidecar.core.store_index.key_fields_snapshot takes them, at the call
 #   (FREE_EVENT, group_id, block_ids: tuple, at)
 #   (LIFECYCLE_EVENT, op: LifecycleOp's value, group_id, seq_id, block_ids: tuple,
 #    generations: tuple, length: int | None, at)
@@ -54,7 +56,7 @@ def store_event(block: StoredBlock) -> tuple[Any, ...]:
         digest: int | None = hash(tuple(block.tokens))
     except Exception:
         digest = None
-    return (STORE_EVENT, block, digest, _now())
+    return (STORE_EVENT, block, digest, _now(), key_fields_snapshot(block.key_fields))
 
 
 def free_event(group_id: int, block_ids: Sequence[int]) -> tuple[Any, ...]:
@@ -106,10 +108,19 @@ class JournaledHooks:
                 digest: int | None = hash(tuple(block.tokens))
             except Exception:  # unhashable or unreadable tokens: rejected when applied
                 digest = None
+            kf = block.key_fields  # taken now: the engine may change its mapping after
+            if not kf:
+                fields = None
+            else:
+                try:
+                    fields = key_fields_snapshot(kf)
+                except Exception:  # a mapping that cannot be read: refused, not raised
+                    self._reject("on_store", HI.InputReject.TYPE)
+                    return
             events = self._journal_events  # store_event, inline
             if len(events) >= self.journal.wake_at:
                 self.journal.nudge()
-            events.append((STORE_EVENT, block, digest, _now()))
+            events.append((STORE_EVENT, block, digest, _now(), fields))
             if self._sampler_store is not None:
                 self._sampler_store(block)
         except Exception as exc:

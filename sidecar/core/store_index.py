@@ -47,10 +47,27 @@ _NO_FIELDS: Mapping[str, str] = MappingProxyType({})
 # survivor holds after the survivor): the second is the middle generation's, before the
 # old one. A tuple of pairs would take a third. See the module docstring.
 _Raw = tuple[int, int, bool, int, "tuple[str, ...] | None", "str | None", int, str]
+class _Unset:
+    """The type of :data:`_UNSET`: no snapshot given (None is one: no key fields)."""
+
+
+_UNSET = _Unset()
 _DIGEST: Final = 1
 _CHAINED: Final = 2
 _PREFIX: Final = 3
 _FIELDS: Final = 4
+
+
+def key_fields_snapshot(fields: Mapping[str, str] | None) -> tuple[str, ...] | None:
+    """A block's key fields as the raw record keeps them (see _Raw), copied now: the names,
+    then the values, of one consistent copy; None for none. The store hook takes it on the
+    engine's thread, so a mapping the engine changes after the hook returns changes
+    nothing (an outside check got false key-field anomalies from one). Raises what the
+    mapping raises (the hook rejects the store)."""
+    if not fields:
+        return None
+    copy = fields.copy() if type(fields) is dict else dict(fields)  # atomic for a dict
+    return (*copy, *copy.values())
 
 
 def _record(raw: _Raw | None) -> StoreRecord | None:
@@ -97,20 +114,23 @@ class StoreIndex:
     def __len__(self) -> int:
         return len(self._records)
 
-    def record(self, block: StoredBlock, own_hash: int | None = None) -> None:
+    def record(self, block: StoredBlock, own_hash: int | None = None,
+               fields: tuple[str, ...] | _Unset | None = _UNSET) -> None:
         """Remember a stored block, chaining its token digest on its parent's record (or on
         the prefix digest the engine gave). ``own_hash``: the block's
-        :func:`~sidecar.checks.keys.tokens_hash`, when taken earlier (the journal takes it on
-        the engine's thread)."""
+        :func:`~sidecar.checks.keys.tokens_hash`, and ``fields``: its
+        :func:`key_fields_snapshot`, when taken earlier (the store hook takes both on the
+        engine's thread)."""
         with self._lock:
-            self.record_locked(block, own_hash)
+            self.record_locked(block, own_hash, fields)
 
     def locked(self) -> threading.Lock:
         """The index's lock, for a caller applying many events in one hold (the journal):
         inside it, call :meth:`record_locked` and :meth:`forget_locked`."""
         return self._lock
 
-    def record_locked(self, block: StoredBlock, own_hash: int | None = None) -> None:
+    def record_locked(self, block: StoredBlock, own_hash: int | None = None,
+                      fields: tuple[str, ...] | _Unset | None = _UNSET) -> None:
         """:meth:`record`, the lock already held."""
         gid = block.group_id << _ID_BITS
         key = gid | block.block_id
@@ -131,20 +151,18 @@ class StoreIndex:
         epoch = epochs.get(key, 0) + 1
         epochs[key] = epoch
         records.pop(key, None)  # re-inserted last: LRU order
-        kf = block.key_fields
-        if kf and type(kf) is not dict:  # another Mapping: one consistent copy first
-            kf = dict(kf)
+        if isinstance(fields, _Unset):
+            fields = key_fields_snapshot(block.key_fields)
         if own_hash is None:
             own_hash = tokens_hash(block.tokens)
         path = block.write_path
         path = _PATHS.get(path, "all") if isinstance(path, str) else "all"
         # A plain tuple, fields in StoreRecord's order (see _Raw). The chained digest is
-        # token_digest's, inline. A dict's names and values iterate in one order.
+        # token_digest's, inline.
         records[key] = (
             block.generation,
             hash((ROOT_DIGEST if parent_digest is None else parent_digest, own_hash)),
-            chained, prefix, (*kf, *kf.values()) if kf else None, block.kv_digest, epoch,
-            path)
+            chained, prefix, fields, block.kv_digest, epoch, path)
         if len(records) > self.capacity:
             del records[next(iter(records))]
         if len(epochs) > self.max_epochs:
