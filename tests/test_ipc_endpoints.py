@@ -79,3 +79,39 @@ def test_a_bound_event_subscriber_removes_its_socket_file(tmp_path: Path) -> Non
         time.sleep(0.02)
     sub.stop()
     assert not path.exists()
+
+
+@pytest.mark.parametrize("kind", [socket.SOCK_DGRAM, socket.SOCK_SEQPACKET])
+def test_a_datagram_or_seqpacket_socket_in_use_is_refused_too(tmp_path: Path, kind) -> None:
+    """A stream connect to those fails with EPROTOTYPE, not ECONNREFUSED: not stale (an
+    outside check saw the other process's socket replaced)."""
+    path = tmp_path / "other.sock"
+    with socket.socket(socket.AF_UNIX, kind) as other:
+        other.bind(str(path))
+        if kind == socket.SOCK_SEQPACKET:
+            other.listen(1)
+        with pytest.raises(ValueError, match="in use"):
+            _receiver(path)
+        assert path.is_socket()
+
+
+def test_a_path_a_bind_cannot_make_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        _receiver(tmp_path / "missing" / "p.sock")
+    with pytest.raises(ValueError, match="at most 107"):
+        check_endpoint(f"ipc://{tmp_path}/{'x' * 120}.sock", (str(tmp_path),))
+    # the KV event socket is named as such
+    with pytest.raises(ValueError, match="KV event socket"):
+        EventSubscriber(EventAuditor(Metrics("vllm", "tiny")), "ipc:///etc/kv.sock", bind=True)
+
+
+def test_vllm_serve_refuses_one_path_for_the_probe_and_the_bound_events(
+        tmp_path: Path) -> None:
+    from sidecar.adapters.vllm.service import VllmSidecar, VllmSidecarConfig
+
+    for probe, events in ((f"ipc://{tmp_path}/s.sock", f"ipc://{tmp_path}/./s.sock"),
+                          ("tcp://127.0.0.1:5999", "tcp://127.0.0.1:5999")):
+        with pytest.raises(ValueError, match="--probe's socket too"):
+            VllmSidecar(VllmSidecarConfig(model_dir=str(tmp_path), dtype="float32",
+                                          block_size=16, probe_endpoint=probe,
+                                          events_endpoint=events, events_bind=True))

@@ -62,7 +62,12 @@ def _serve(a: argparse.Namespace) -> int:
     except ValueError as exc:  # CheckpointError, a bad --reference, the token: one line
         print(f"kv-sidecar sglang serve: error: {exc}", file=sys.stderr)
         return 2
-    sc.start()
+    try:
+        sc.start()
+    except RuntimeError as exc:  # the probe socket could not be bound: one line
+        sc.stop()
+        print(f"kv-sidecar sglang serve: error: {exc}", file=sys.stderr)
+        return 1
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
                            token=token).start()
     print(f"kv-sidecar for SGLang: metrics on {server.url}/metrics", flush=True)

@@ -110,7 +110,12 @@ def _serve(a: argparse.Namespace) -> int:
     except (CheckpointError, ValueError) as exc:  # ValueError: flags that do not fit
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
-    sc.start()
+    try:
+        sc.start()
+    except RuntimeError as exc:  # the probe socket could not be bound: one line
+        sc.stop()
+        print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
+        return 1
     reset = _prefix_reset(a, sc)
     push = None
     if a.otlp_endpoint:

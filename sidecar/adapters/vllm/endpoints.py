@@ -8,6 +8,7 @@ directory, created 0600 (this user only). No torch, no vLLM: both ends import it
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import stat
@@ -43,41 +44,56 @@ def _local(endpoint: str, why: str) -> str | None:
                      f"tcp://127.0.0.1:<port>{why}")
 
 
-def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS) -> None:
-    """Refuse endpoints any other host or user could send to (ValueError says why)."""
-    ipc = _local(endpoint, " (the probe pipe is not authenticated)")
+# A unix socket's path must fit sockaddr_un's sun_path (108 bytes on Linux, with its NUL).
+_MAX_SOCKET_PATH = 107
+
+
+def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS,
+                   what: str = "probe socket") -> None:
+    """Refuse endpoints any other host or user could send to, and ``ipc://`` paths a bind
+    would clobber or cannot make (ValueError says why; ``what``: the socket, in words)."""
+    ipc = _local(endpoint, f" (the {what} is not authenticated)")
     if ipc is None:
         return
     path = os.path.realpath(ipc)
     if not any(path == d or path.startswith(d.rstrip("/") + "/")
                for d in (os.path.realpath(d) for d in ipc_dirs)):
-        raise ValueError(f"probe socket {path!r} is not under an allowed directory "
+        raise ValueError(f"{what} {path!r} is not under an allowed directory "
                          f"{list(ipc_dirs)}")
-    _check_free(ipc)
+    if len(os.fsencode(ipc)) > _MAX_SOCKET_PATH:
+        raise ValueError(f"{what} path {ipc[:80]!r}... is {len(os.fsencode(ipc))} bytes: a "
+                         f"unix socket's path holds at most {_MAX_SOCKET_PATH}")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"{what} {ipc!r}: directory {os.path.dirname(path)!r} does not "
+                         "exist (create it first)")
+    _check_free(ipc, what)
 
 
-def _check_free(path: str) -> None:
+def _check_free(path: str, what: str) -> None:
     """ZMQ removes whatever is at an ``ipc://`` path it binds, without a word: refuse a
     path that holds anything but a socket (a mistyped ``--probe`` would delete the file),
-    and a socket something still listens on (binding would take it over: two sidecars'
-    traffic mixed). A socket file nobody listens on is a stale one, replaced."""
+    and a socket something still uses (binding would take it over: two sidecars' traffic
+    mixed). Only a socket file that refuses connections (nobody bound to it: left by a
+    process that died) is stale, and replaced; any other answer, a stream, datagram or
+    seqpacket socket's (a stream connect to those fails with EPROTOTYPE), is a user."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise ValueError(f"probe socket path {path!r}: {exc.strerror}") from None
+        raise ValueError(f"{what} path {path!r}: {exc.strerror}") from None
     if not stat.S_ISSOCK(mode):
-        raise ValueError(f"{path!r} exists and is not a socket: binding the probe socket "
-                         "there would delete it (choose another path)")
+        raise ValueError(f"{path!r} exists and is not a socket: binding the {what} there "
+                         "would delete it (choose another path)")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except OSError:
-            return  # stale: nobody listens there
-    raise ValueError(f"{path!r} is in use: something listens on it (another sidecar?); "
-                     "stop it or choose another path")
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return  # stale: nobody is bound there
+    raise ValueError(f"{path!r} is in use: a process has a socket bound there (another "
+                     f"sidecar?); stop it or choose another path for the {what}")
 
 
 def bound_file(endpoint: str) -> int | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,11 @@ class VllmSidecar:
                  submit: Submit | None = None,
                  metrics_source: Callable[[], str] | None = None) -> None:
         self.cfg = cfg
+        if cfg.events_bind and cfg.probe_endpoint and cfg.events_endpoint and \
+                _same_socket(cfg.events_endpoint, cfg.probe_endpoint):
+            raise ValueError(f"--events {cfg.events_endpoint} with --events-bind is --probe's "
+                             "socket too: the second bind would take it from the first "
+                             "(give each its own path or port)")
         info = engine_info_from_checkpoint(cfg.model_dir, cfg.dtype, cfg.block_size,
                                            cfg.model_name)
         self.info = info
@@ -228,3 +234,10 @@ def hello_build(hello: dict[str, Any]) -> str:
     change shows only where it changes the layout.)"""
     return repr([hello.get(k) for k in ("vllm", "kv_layout", "block_size",
                                         "kv_heads", "head_dim", "groups", "group_kinds")])
+
+
+def _same_socket(a: str, b: str) -> bool:
+    """Two endpoints that name one socket (ipc paths compared resolved)."""
+    if a.startswith("ipc://") and b.startswith("ipc://"):
+        return os.path.realpath(a[6:]) == os.path.realpath(b[6:])
+    return a == b

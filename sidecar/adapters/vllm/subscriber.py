@@ -40,7 +40,7 @@ class EventSubscriber:
                  replay_endpoint: str | None = None, topic: str = "", bind: bool = False,
                  replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
         if bind:  # a bound ingest socket: loopback or an owner-only ipc path (receiver.py)
-            check_endpoint(endpoint)
+            check_endpoint(endpoint, what="KV event socket")
         self.auditor = auditor
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
