@@ -120,3 +120,24 @@ def test_a_plot_path_that_cannot_be_one_is_refused_while_parsing(tmp_path, capsy
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --plot: " in err and says in err, err
+
+
+def test_list_names_an_invariant_violations_kind_and_blocks_and_shows_no_minus_zero(
+        tmp_path, capsys) -> None:
+    """Outside check: ``evidence list`` left CHECKS, GROUPS and BLOCKS blank for invariant
+    violation records (they name their blocks in ``violations``), and printed ``-0``."""
+    d = tmp_path / "evidence"
+    log = EvidenceLog(capacity=10, directory=d)
+    log.add({"type": "invariant_violation", "violations": [
+        {"kind": "free_while_held", "group": 0, "block_id": 36, "generation": 2},
+        {"kind": "double_free", "group": 0, "block_id": None, "generation": 0}]})
+    log.add({"kind": "test", "checks": ["recompute_mismatch"],
+             "errors": {"max_error": -0.0, "tolerance": 0.0625}})
+    assert main(["evidence", "list", "--dir", str(d), "--json"]) == 0
+    first, _ = json.loads(capsys.readouterr().out)
+    assert first["checks"] == ["double_free", "free_while_held"]
+    assert first["groups"] == [0] and first["blocks"] == [36]
+    assert main(["evidence", "list", "--dir", str(d)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "double_free,free_while_h" in table[1] and " 36 " in table[1]
+    assert table[2].split()[-3:] == ["0", "0.0625", "no"]  # MAX ERR, TOL, KV

@@ -145,16 +145,19 @@ def summary_line(rec: dict[str, Any], directory: Path) -> dict[str, Any]:
     them by (:func:`sidecar.evidence.read.tensors_state`)."""
     errors = rec.get("errors") or {}
     blocks = [b for b in rec.get("blocks") or [] if isinstance(b, dict)]
+    # An invariant violation's record names its blocks in its violations (an outside check
+    # found its CHECKS, GROUPS and BLOCKS columns blank).
+    found = [f for f in rec.get("findings") or rec.get("violations") or []
+             if isinstance(f, dict)]
+    named = [b for b in blocks if b.get("condemned", True)] or \
+        [f for f in found if f.get("block_id") is not None]
     return {
         "id": rec["seq"],
         "time": rec.get("time"),
         "engine": rec.get("engine", rec.get("kind", "")),
-        "checks": rec.get("checks") or sorted({f.get("kind") or "?" for f in
-                                               rec.get("findings") or []
-                                               if isinstance(f, dict)}),
-        "groups": sorted({b.get("group") for b in blocks if b.get("condemned", True)}
-                         - {None}),
-        "blocks": [b.get("block_id") for b in blocks if b.get("condemned", True)],
+        "checks": rec.get("checks") or sorted({f.get("kind") or "?" for f in found}),
+        "groups": sorted({b.get("group") for b in named} - {None}, key=str),
+        "blocks": [b.get("block_id") for b in named],
         "max_error": errors.get("max_error"),
         "tolerance": errors.get("tolerance"),
         "tensors": tensors_state(directory, rec),
@@ -252,4 +255,5 @@ def _parse_id(text: str) -> int:
 
 
 def _num(v: Any) -> str:
-    return f"{v:.3g}" if isinstance(v, (int, float)) else "-"
+    # + 0.0: a stored -0.0 (a clean block's signed error) shows as 0
+    return f"{v + 0.0:.3g}" if isinstance(v, (int, float)) else "-"
