@@ -59,6 +59,7 @@ def test_record_names_check_blocks_epochs_errors_lifecycle_and_kv(tmp_path, caps
     assert rec["errors"]["max_error"] > rec["errors"]["tolerance"]
     assert len(rec["errors"]["per_block"]) == 4
     assert [e["op"] for e in rec["lifecycle"][f"0:{block}"]] == ["store", "hit"]
+    assert rec["lifecycle_left_out"] == {}  # the whole path is there
     assert "tokens" not in rec and rec["tokens_digest"]
     # the tensor file is real safetensors: the reference implementation reads it
     st = pytest.importorskip("safetensors.torch")

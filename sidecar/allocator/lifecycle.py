@@ -159,6 +159,12 @@ class LifecycleLog:
              limit: int = 64) -> list[dict[str, Any]]:
         """The last ``limit`` events (window and sampled log) naming any of ``block_ids``,
         oldest first: how those blocks got where they are."""
+        return self.path_and_cut(group_id, block_ids, limit)[0]
+
+    def path_and_cut(self, group_id: int, block_ids: Iterable[int],
+                     limit: int = 64) -> tuple[list[dict[str, Any]], int]:
+        """:meth:`path`, and how many older events on record for those blocks it left out
+        (a path cut to ``limit`` can start at a free: evidence says so)."""
         blocks = frozenset(block_ids)
         self._catch_up()
         with self._lock:
@@ -166,7 +172,7 @@ class LifecycleLog:
             raw.update((e[0], e) for e in _copy(self._window))
         events = _readable(raw.values())
         hits = sorted((e for e in events if e.names(group_id, blocks)), key=lambda e: e.n)
-        return [e.as_dict() for e in hits[-limit:]]
+        return [e.as_dict() for e in hits[-limit:]], max(len(hits) - limit, 0)
 
     def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The newest ``n`` sampled (or burst) events."""

@@ -210,7 +210,7 @@ class AllocatorHealth:
         self.lifecycle.trigger()
         blocks = list(dict.fromkeys((v.group_id, v.block_id) for v in new
                                     if v.block_id is not None))[:EVIDENCE_PATHS]
-        paths = {f"{g}:{b}": self.lifecycle.path(g, [b], PATH_EVENTS) for g, b in blocks}
+        paths, cut = self._paths(blocks)
         for v in new[:LOGGED_PER_POLL]:
             path = paths.get(f"{v.group_id}:{v.block_id}") or []
             op = _last_op(path[-1], v.block_id) if path else "no lifecycle event on record"
@@ -228,6 +228,7 @@ class AllocatorHealth:
             "violations": [v.as_dict() for v in new[:EVIDENCE_VIOLATIONS]],
             "violations_total": len(new),
             "lifecycle": paths,
+            "lifecycle_left_out": cut,
         })
 
     # ------------------------------------------------------------------ content anomalies
@@ -235,9 +236,22 @@ class AllocatorHealth:
         """Evidence extra for a content anomaly: the lifecycle path of each checked block,
         and full-rate lifecycle logging from now on for a while."""
         self.lifecycle.trigger()
-        return {"lifecycle": {f"{r.group_id}:{r.block_id}":
-                              self.lifecycle.path(r.group_id, [r.block_id], PATH_EVENTS)
-                              for r in refs}}
+        paths, cut = self._paths((r.group_id, r.block_id) for r in refs)
+        return {"lifecycle": paths, "lifecycle_left_out": cut}
+
+    def _paths(self, blocks: Iterable[tuple[int, int]]
+               ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+        """Each block's last :data:`PATH_EVENTS` lifecycle events, by ``"group:block"``,
+        and for a path cut so, how many older events on record it left out (a cut path can
+        start at a free or a hit: the count says there was more)."""
+        paths: dict[str, list[dict[str, Any]]] = {}
+        cut: dict[str, int] = {}
+        for g, b in blocks:
+            key = f"{g}:{b}"
+            paths[key], left = self.lifecycle.path_and_cut(g, [b], PATH_EVENTS)
+            if left:
+                cut[key] = left
+        return paths, cut
 
     # ------------------------------------------------------------------ summary
     def summary(self, state: AllocatorState | None) -> dict[str, Any]:
