@@ -38,7 +38,7 @@ _now = time.time
 # Each event is a plain tuple (the cheapest thing to build on the engine's thread), its first
 # element the kind; ``at`` is wall-clock time.time() when the hook ran:
 #   (STORE_EVENT, block: StoredBlock, token_hash: int | None, at, key_fields): the key
-#    fields as sidecar.core.store_index.key_fields_snapshot takes them, at the call
+#    fields copied at the call (sidecar.core.store_index.key_fields_snapshot)
 #   (FREE_EVENT, group_id, block_ids: tuple, at)
 #   (LIFECYCLE_EVENT, op: LifecycleOp's value, group_id, seq_id, block_ids: tuple,
 #    generations: tuple, length: int | None, at)
@@ -108,12 +108,11 @@ class JournaledHooks:
                 digest: int | None = hash(tuple(block.tokens))
             except Exception:  # unhashable or unreadable tokens: rejected when applied
                 digest = None
-            kf = block.key_fields  # taken now: the engine may change its mapping after
-            if not kf:
-                fields = None
-            else:
+            kf = block.key_fields  # copied now: the engine may change its mapping after
+            fields: dict[str, str] | None = None
+            if kf:  # store_index.key_fields_snapshot, inline
                 try:
-                    fields = key_fields_snapshot(kf)
+                    fields = kf.copy() if type(kf) is dict else dict(kf)
                 except Exception:  # a mapping that cannot be read: refused, not raised
                     self._reject("on_store", HI.InputReject.TYPE)
                     return

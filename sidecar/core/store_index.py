@@ -58,16 +58,15 @@ _PREFIX: Final = 3
 _FIELDS: Final = 4
 
 
-def key_fields_snapshot(fields: Mapping[str, str] | None) -> tuple[str, ...] | None:
-    """A block's key fields as the raw record keeps them (see _Raw), copied now: the names,
-    then the values, of one consistent copy; None for none. The store hook takes it on the
-    engine's thread, so a mapping the engine changes after the hook returns changes
-    nothing (an outside check got false key-field anomalies from one). Raises what the
-    mapping raises (the hook rejects the store)."""
+def key_fields_snapshot(fields: Mapping[str, str] | None) -> dict[str, str] | None:
+    """A block's key fields copied now (None for none). The store hook takes the copy on
+    the engine's thread (inline: one C call for a dict, atomic under the GIL), so a mapping
+    the engine changes after the hook returns changes nothing (an outside check got false
+    key-field anomalies from one); the index flattens it when the journal is applied.
+    Raises what the mapping raises (the hook rejects the store)."""
     if not fields:
         return None
-    copy = fields.copy() if type(fields) is dict else dict(fields)  # atomic for a dict
-    return (*copy, *copy.values())
+    return fields.copy() if type(fields) is dict else dict(fields)
 
 
 def _record(raw: _Raw | None) -> StoreRecord | None:
@@ -115,7 +114,7 @@ class StoreIndex:
         return len(self._records)
 
     def record(self, block: StoredBlock, own_hash: int | None = None,
-               fields: tuple[str, ...] | _Unset | None = _UNSET) -> None:
+               fields: dict[str, str] | _Unset | None = _UNSET) -> None:
         """Remember a stored block, chaining its token digest on its parent's record (or on
         the prefix digest the engine gave). ``own_hash``: the block's
         :func:`~sidecar.checks.keys.tokens_hash`, and ``fields``: its
@@ -130,7 +129,7 @@ class StoreIndex:
         return self._lock
 
     def record_locked(self, block: StoredBlock, own_hash: int | None = None,
-                      fields: tuple[str, ...] | _Unset | None = _UNSET) -> None:
+                      fields: dict[str, str] | _Unset | None = _UNSET) -> None:
         """:meth:`record`, the lock already held."""
         gid = block.group_id << _ID_BITS
         key = gid | block.block_id
@@ -162,7 +161,8 @@ class StoreIndex:
         records[key] = (
             block.generation,
             hash((ROOT_DIGEST if parent_digest is None else parent_digest, own_hash)),
-            chained, prefix, fields, block.kv_digest, epoch, path)
+            chained, prefix, (*fields, *fields.values()) if fields else None,
+            block.kv_digest, epoch, path)
         if len(records) > self.capacity:
             del records[next(iter(records))]
         if len(epochs) > self.max_epochs:
