@@ -140,9 +140,20 @@ class EngineFront(Outbox):
                     or len(block.tokens) > _MAX_BLOCK) \
                     and self._refuse("on_store", HI.check_store(block)):
                 return
-            # the tokens copied now: the engine may reuse its list once the hook returns
+            # the tokens and key fields copied now: the engine may reuse or change them once
+            # the hook returns (a mapping changed after the call gave false key-field
+            # anomalies in the in-process journal: outside check)
+            kf = block.key_fields
+            fields = None
+            if kf:
+                try:
+                    fields = kf.copy() if type(kf) is dict else dict(kf)
+                except Exception:  # a mapping that cannot be read: refused, not raised
+                    self._refuse("on_store", HI.InputReject.TYPE)
+                    return
             box = self._outbox  # _post, inline (a method call less per event)
-            (box.append if len(box) < WAKE_AT else self._post)((STORE, block, tuple(block.tokens)))
+            (box.append if len(box) < WAKE_AT else self._post)(
+                (STORE, block, tuple(block.tokens), fields))
             if self._observe_store is not None:
                 self._observe_store(block)
         except Exception as exc:

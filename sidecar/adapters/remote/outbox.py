@@ -130,8 +130,8 @@ class Outbox:
             try:
                 if kind == STORE:
                     items = [[b.group_id, b.block_id, b.generation, tokens, b.prefix_tokens,
-                              _fields(b.key_fields), b.parent_block_id, b.kv_digest, b.seq_id,
-                              b.prefix_digest, b.write_path] for _, b, tokens in run]
+                              fields, b.parent_block_id, b.kv_digest, b.seq_id,
+                              b.prefix_digest, b.write_path] for _, b, tokens, fields in run]
                 else:
                     items = [e[1] for e in run]
             except Exception as exc:  # a store whose fields cannot be read: counted, lost
@@ -228,11 +228,3 @@ class Outbox:
         except Exception:
             self.ship_errors += 1
         self.pipe.close()
-
-
-
-def _fields(key_fields: Any) -> dict[str, Any] | None:
-    """A store's key fields as msgpack carries them (a dict; ``None`` when empty)."""
-    if type(key_fields) is dict:
-        return key_fields or None
-    return dict(key_fields) or None
