@@ -115,3 +115,20 @@ def test_vllm_serve_refuses_one_path_for_the_probe_and_the_bound_events(
             VllmSidecar(VllmSidecarConfig(model_dir=str(tmp_path), dtype="float32",
                                           block_size=16, probe_endpoint=probe,
                                           events_endpoint=events, events_bind=True))
+
+
+def test_a_serve_command_whose_socket_cannot_be_bound_says_so_in_one_line(
+        tmp_path: Path, capsys) -> None:
+    """What passes the checks can still fail to bind (a tcp port another process holds):
+    the serve commands print one line and exit 1, not a traceback."""
+    from sidecar.cli.arg_types import started
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        rx = ProbeReceiver(f"tcp://127.0.0.1:{holder.getsockname()[1]}",
+                           Metrics("vllm", "tiny"), lambda _: None, lambda _: None)
+        assert not started(rx, "kv-sidecar vllm serve")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kv-sidecar vllm serve: error: cannot bind")
+    assert not rx.alive

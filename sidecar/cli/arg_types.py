@@ -5,6 +5,7 @@ them without importing the CLI that imports it."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -54,3 +55,16 @@ def device_name(text: str) -> str:
         return text
     raise argparse.ArgumentTypeError(
         f"expected cpu, cuda or cuda:N (N = 0..{MAX_DEVICE_INDEX}, no leading zero), got {text!r}")
+
+
+def started(service: Any, prog: str) -> bool:
+    """Start a serve command's sidecar (``service.start()``); where it cannot start (its
+    socket could not be bound: ``RuntimeError``), stop what did and say why in one line on
+    stderr instead of a traceback. False then: the command exits 1."""
+    try:
+        service.start()
+    except RuntimeError as exc:
+        service.stop()
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return False
+    return True

@@ -24,7 +24,7 @@ from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV, TAP_KEYS
 from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S
 from sidecar.checks import tolerance
-from sidecar.cli.arg_types import bounded
+from sidecar.cli.arg_types import bounded, started
 from sidecar.config.settings import POLL_PERIOD
 
 
@@ -62,11 +62,7 @@ def _serve(a: argparse.Namespace) -> int:
     except ValueError as exc:  # CheckpointError, a bad --reference, the token: one line
         print(f"kv-sidecar sglang serve: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        sc.start()
-    except RuntimeError as exc:  # the probe socket could not be bound: one line
-        sc.stop()
-        print(f"kv-sidecar sglang serve: error: {exc}", file=sys.stderr)
+    if not started(sc, "kv-sidecar sglang serve"):
         return 1
     server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
                            token=token).start()

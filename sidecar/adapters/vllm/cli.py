@@ -27,6 +27,7 @@ from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.vllm import arguments
 from sidecar.adapters.vllm.engine_config import PROBE_KEYS, events_config, probe_transfer_config
 from sidecar.checks import tolerance
+from sidecar.cli.arg_types import started
 from sidecar.config.cli import add_config_arguments, configure
 from sidecar.config.layers import ConfigError
 from sidecar.config.schema import subparser
@@ -110,11 +111,7 @@ def _serve(a: argparse.Namespace) -> int:
     except (CheckpointError, ValueError) as exc:  # ValueError: flags that do not fit
         print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        sc.start()
-    except RuntimeError as exc:  # the probe socket could not be bound: one line
-        sc.stop()
-        print(f"kv-sidecar vllm serve: error: {exc}", file=sys.stderr)
+    if not started(sc, "kv-sidecar vllm serve"):
         return 1
     reset = _prefix_reset(a, sc)
     push = None
