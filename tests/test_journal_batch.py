@@ -170,3 +170,19 @@ def test_key_fields_of_any_mapping_read_back_as_they_were_stored() -> None:
     snap, _ = index.snapshot([BlockRef(0, 0, i) for i in range(3)])
     assert [dict(r.key_fields) for r in snap.values() if r is not None] == \
         [dict(f) for f in fields]
+
+
+def test_a_parent_id_that_is_not_one_chains_nothing_and_never_another_groups_block() -> None:
+    """The parent id is not checked before the index keys it (group and id in one int): a
+    numpy id still chains; one past the id bits must not reach another group's block, and
+    a float or a string must not raise."""
+    import numpy as np
+
+    for pid, chains in ((3, True), (np.int64(3), True), ((1 << 41) | 3, False), (-1, False),
+                        (1.5, False), ("x", False)):
+        index = StoreIndex(100)
+        index.record(StoredBlock(0, 3, 1, [1, 2], 0))
+        index.record(StoredBlock(1, 3, 1, [1, 2], 0))  # what (1 << 41) | 3 would name
+        index.record(StoredBlock(0, 4, 1, [5, 6], 2, parent_block_id=pid))  # type: ignore[arg-type]
+        (rec,) = index.snapshot([BlockRef(0, 1, 4)])[0].values()
+        assert rec is not None and rec.chained is chains, pid

@@ -47,6 +47,8 @@ _NO_FIELDS: Mapping[str, str] = MappingProxyType({})
 # survivor holds after the survivor): the second is the middle generation's, before the
 # old one. A tuple of pairs would take a third. See the module docstring.
 _Raw = tuple[int, int, bool, int, "tuple[str, ...] | None", "str | None", int, str]
+
+
 class _Unset:
     """The type of :data:`_UNSET`: no snapshot given (None is one: no key fields)."""
 
@@ -140,8 +142,10 @@ class StoreIndex:
         elif block.prefix_digest is not None:
             parent_digest, chained = block.prefix_digest, True
         else:
-            pid = block.parent_block_id
-            parent = records.get(gid | pid) if pid is not None else None
+            pid = block.parent_block_id  # not checked before here: _key for anything odd
+            parent = None if pid is None else records.get(
+                gid | pid if type(pid) is int and 0 <= pid <= _ID_MASK
+                else _key(block.group_id, pid))
             # A digest is only comparable when the whole chain up to it was seen.
             chained = (parent is not None and parent[_CHAINED]
                        and parent[_PREFIX] + len(block.tokens) == prefix)
@@ -204,8 +208,9 @@ class StoreIndex:
                  ) -> tuple[dict[BlockRef, StoreRecord | None], dict[BlockRef, int]]:
         """Records and epochs of ``refs`` as they are now (at match time)."""
         with self._lock:
-            raw = {r: self._records.get(_key(r.group_id, r.block_id)) for r in refs}
-            epochs = {r: self._epochs.get(_key(r.group_id, r.block_id), 0) for r in refs}
+            keys = [(r, _key(r.group_id, r.block_id)) for r in refs]
+            raw = {r: self._records.get(k) for r, k in keys}
+            epochs = {r: self._epochs.get(k, 0) for r, k in keys}
         return {r: _record(x) for r, x in raw.items()}, epochs
 
     def resident(self) -> list[tuple[int, int, int]]:
