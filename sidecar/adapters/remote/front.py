@@ -145,7 +145,7 @@ class EngineFront(Outbox):
             # anomalies in the in-process journal: outside check)
             kf = block.key_fields
             fields = None
-            if kf:
+            if kf:  # store_index.key_fields_snapshot, inline (the call: +420 instructions)
                 try:
                     fields = kf.copy() if type(kf) is dict else dict(kf)
                 except Exception:  # a mapping that cannot be read: refused, not raised
