@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 from kvtestbed.engines.tier import hit_tier_states
 
+from sidecar import signals as S
 from sidecar.checks.coverage import check_coverage
 from sidecar.core.monitor import Monitor, SidecarConfig
-from sidecar.core.protocol import BlockKV, BlockRef, EngineInfo, Hit
+from sidecar.core.protocol import BlockKV, BlockRef, EngineInfo, Hit, Lookup
 from sidecar.core.protocol import TierState as T
 from sidecar.signals import AnomalyKind as K
 from sidecar.signals import DropReason
@@ -85,3 +86,22 @@ def test_the_reference_engine_does_not_pad_resident_blocks() -> None:
     assert hit_tier_states(FULL, 3, []) == {}  # nothing came through the tier: no entry
     hit = Hit((), 8, BLOCKS, tier_states=hit_tier_states(FULL, 2, [T.LOADING]))
     assert _kinds(hit) == [(K.TIER_NOT_LOADED, FULL, 1)]  # the None before it: resident
+
+
+def test_a_hit_that_lists_no_block_is_judged_like_one_whose_list_stops_short() -> None:
+    """A sampled hit claiming full blocks with none listed (``{}`` or an empty list) was
+    dropped without a word, while one listing fewer than it claims was flagged: both now
+    reach the coverage check, which names the group that cannot serve the hit. A hit
+    shorter than one block has nothing to check."""
+    for blocks in ({}, {0: []}, {0: [1]}):
+        monitor = Monitor(ToyAdapter(ToyEngine(sink=None)), DEFERRED)
+        monitor.on_lookup(Lookup(4 * TOY_BS, 4 * TOY_BS,
+                                 Hit(list(range(4 * TOY_BS)), 4 * TOY_BS, blocks), seq_id=1))
+        verdicts = monitor.verify_pending()
+        assert [f.kind for v in verdicts for f in v.findings] == [K.MISSING_GROUP_STATE], blocks
+        assert monitor.metrics.by_label(S.ANOMALIES.name, "kind") == {
+            K.MISSING_GROUP_STATE.value: 1}, blocks
+    short = Monitor(ToyAdapter(ToyEngine(sink=None)), DEFERRED)
+    short.on_lookup(Lookup(TOY_BS, TOY_BS - 1, Hit(list(range(TOY_BS)), TOY_BS - 1, {}),
+                           seq_id=1))
+    assert short.verify_pending() == [] and short.summary()["sampled"] == 0

@@ -33,7 +33,7 @@ import torch
 from sidecar.checks.base import Finding
 from sidecar.checks.calibration import Calibration
 from sidecar.checks.content import check_content
-from sidecar.checks.coverage import tier_state_at
+from sidecar.checks.coverage import check_coverage, tier_state_at
 from sidecar.checks.fingerprint import fingerprint_check
 from sidecar.checks.hybrid import check_partial_zero, explain
 from sidecar.checks.identity import check_identity
@@ -168,7 +168,8 @@ class Verifier:
         passed the last stage. Blocks nobody could decide (reused before the read, over
         budget, adapter failure) are dropped and counted by reason."""
         hit, refs = sample.hit, sample.refs
-        if not refs:
+        if not refs:  # a hit that lists no block to read: only its coverage can be judged
+            verdict.findings.extend(check_coverage(hit, self.info))
             return
         problem = token_ids_problem(hit, self.info.block_size * (max(r.index for r in refs) + 1))
         if problem is not None:  # never hashed, recomputed or recorded: a counted drop

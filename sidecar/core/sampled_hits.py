@@ -58,7 +58,13 @@ class SampledHits:
         refs = tuple(self.sampler.choose(hit, self.info.block_size,
                                          self.config.blocks_per_sample, self.info.groups))
         if not refs:
-            return None
+            # No block to read. A hit that claims a full block and lists none for it still
+            # goes to the verifier, whose coverage check names what is missing
+            # (missing_group_state), as it does for a list that stops short; only a hit
+            # shorter than a block has nothing to check.
+            if hit.hit_tokens < self.info.block_size:
+                return None
+            return self._take(hit, (), None)
         return self._take(hit, refs, self._capture_now(hit, refs))
 
     def _take(self, hit: Hit, refs: tuple[BlockRef, ...],
