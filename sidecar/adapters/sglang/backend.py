@@ -314,7 +314,8 @@ def _empty() -> Any:
 
 
 def register() -> None:
-    """SGLang general-plugin entry point: make ``--radix-cache-backend kv-sidecar`` known.
+    """SGLang general-plugin entry point: make ``--radix-cache-backend kv-sidecar`` known,
+    and check the tap's settings when SGLang resolves its flags (:func:`check_launch`).
     Never raises (a broken sidecar install must not stop SGLang unless it is selected)."""
     try:
         from sglang.srt.mem_cache.registry import (
@@ -326,3 +327,33 @@ def register() -> None:
             register_radix_cache_backend(BACKEND_NAME, tapped_tree)
     except Exception:
         log.exception("kv-sidecar: could not register the SGLang radix-cache backend")
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(LAUNCH_CHECK_TARGET, check_launch, HookType.BEFORE)
+    except Exception:  # another SGLang: the settings are still checked at the tree's build
+        log.debug("kv-sidecar: no launch check (SGLang's hook registry not found)",
+                  exc_info=True)
+
+
+# SGLang 0.5.23 resolves its flags here, in the launching process, before any scheduler runs.
+LAUNCH_CHECK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
+
+
+def check_launch(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Before SGLang resolves its flags: with ``--radix-cache-backend kv-sidecar`` (or a
+    backend named after it), the SGLang version and ``KVSIDECAR_SGLANG_TAP`` are checked,
+    and a refusal stops the launch with one line (``SystemExit``, exit status 1). Checked
+    only when the tree was built, a refused setting came as a scheduler's traceback, then
+    SGLang killing its processes (exit 137)."""
+    name = getattr(server_args, "radix_cache_backend", None)
+    if not (isinstance(name, str) and name.startswith(BACKEND_NAME)):
+        return None
+    try:
+        import sglang
+
+        check_sglang_version(sglang.__version__)
+        tap_config()
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"kv-sidecar (--radix-cache-backend {name}): {exc}") from None
+    return None
