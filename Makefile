@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 	touch $@
 
 demo: venv
-	$(VENV)/bin/kv-sidecar demo --fault $(FAULT) $(DEMO_ARGS)
+	@$(VENV)/bin/kv-sidecar demo --fault $(FAULT) $(DEMO_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check sidecar testbed tests dashboards alerts examples deploy

@@ -68,6 +68,7 @@ def test_clean_demo_is_clean() -> None:
     assert s["allocation_failure_rate"] == 0.0 and s["allocator_thresholds_exceeded"] == []
     assert s["fault_start_request"] is None
     assert format_summary(s).endswith("the allocator kept its invariants")
+    assert "fault started at request        never" in format_summary(s)  # not "None"
 
 
 def test_cli_json_carries_the_allocator_keys(capsys: pytest.CaptureFixture[str]) -> None:

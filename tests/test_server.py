@@ -40,3 +40,23 @@ def test_metrics_healthz_status_on_loopback():
             raise AssertionError("expected 404")
     finally:
         srv.stop()
+
+
+def test_a_port_in_use_is_named_with_the_way_out():
+    """The CLI prints this error as its one line: it names the address and --port 0
+    (``[Errno 98] Address already in use`` named neither); errno is kept for callers."""
+    import errno
+    import socket
+
+    import pytest
+    from prometheus_client import CollectorRegistry
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(OSError) as info:
+            SidecarServer(CollectorRegistry(), dict, port=port)
+    assert str(info.value) == (f"port {port} on 127.0.0.1 is in use (another sidecar or "
+                               "demo?): pass --port 0 for any free port, or another port")
+    assert info.value.errno == errno.EADDRINUSE

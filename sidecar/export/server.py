@@ -23,6 +23,7 @@ variable) the control surface (``/status``, any future control endpoint) needs e
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import io
 import json
@@ -199,6 +200,19 @@ class _BoundedServer(ThreadingHTTPServer):
         super().server_close()
 
 
+def _listen_error(exc: OSError, host: str, port: int) -> OSError:
+    """``exc`` from binding the HTTP port, said with the address (the CLI prints it as its
+    one error line; ``errno`` kept for callers)."""
+    if exc.errno == errno.EADDRINUSE:
+        msg = (f"port {port} on {host} is in use (another sidecar or demo?): pass --port 0 "
+               "for any free port, or another port")
+    else:
+        msg = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    out = OSError(msg)
+    out.errno = exc.errno
+    return out
+
+
 class SidecarServer:
     """``/metrics``, ``/healthz`` and ``/status`` on ``host:port`` (see the module docstring).
     ``timeout_s`` is the deadline for a whole request (head and body) and, separately, for
@@ -218,9 +232,12 @@ class SidecarServer:
         self.unauthorized = 0
         self.exposition = CachedExposition(registry, scrape_ttl_s)
         handler = self._handler(timeout_s)
-        self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s,
-                                    self._healthz_response, max_connections, max_per_peer,
-                                    fresh_scrape=self._fresh_scrape)
+        try:
+            self.httpd = _BoundedServer((host, port), handler, max_handlers, timeout_s,
+                                        self._healthz_response, max_connections,
+                                        max_per_peer, fresh_scrape=self._fresh_scrape)
+        except OSError as exc:  # said with the address and the way out, not errno alone
+            raise _listen_error(exc, host, port) from None
         self._thread: threading.Thread | None = None
 
     @property

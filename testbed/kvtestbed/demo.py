@@ -329,7 +329,8 @@ def _allocator_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     leak = (f"yes: {s['leak_suspected_blocks']} blocks held by no live sequence"
             if s["leak_suspected"] else "no")
     return [
-        ("fault started at request", str(s.get("fault_start_request"))),
+        ("fault started at request", "never" if s.get("fault_start_request") is None
+         else str(s["fault_start_request"])),
         ("first anomaly at request", at("first_content_anomaly_request", "content")),
         ("allocator invariant checks", str(s["invariant_checks"])),
         ("invariant violations", ", ".join(f"{k}={v}" for k, v in sorted(violations.items()))

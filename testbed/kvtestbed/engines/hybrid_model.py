@@ -17,6 +17,7 @@ No hub downloads: configs are written here and weights seeded by ``(seed, revisi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -100,6 +101,10 @@ class HybridLM:
         for p in model.parameters():
             p.data = p.data.to(c.torch_dtype)
         self.model = model.eval()
+        # transformers renames forward's past_key_values to cache model by model (Gemma2 in
+        # 5.x warns on the old name): the name this version's forward takes.
+        self._cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                          else "past_key_values")
         self.dtype = c.torch_dtype
         types = tuple(self.hf_config.layer_types)
         state_shape: tuple[int, ...] = ()
@@ -184,8 +189,8 @@ class HybridLM:
                 if bias is not None:
                     embeds = embeds + bias
                 positions = torch.arange(pos, cut).unsqueeze(0)
-                out = self.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True,
-                                 position_ids=positions, logits_to_keep=1)
+                out = self.model(inputs_embeds=embeds, use_cache=True, position_ids=positions,
+                                 logits_to_keep=1, **{self._cache_kw: cache})
                 logits = out.logits[0, -1]
                 if cut in boundaries:
                     out_states[cut] = self._read(cache, 0)[1]
