@@ -2,9 +2,9 @@
 
 Order (each stage only spends what the previous ones could not decide):
   0. the hit's ids (:func:`sidecar.core.hit_input.sanitized_hit`): a bad one is counted;
-  1. identity (:mod:`sidecar.checks.identity`): key consistency, coverage per cache group;
-  2. ``adapter.read`` (time-limited) — blocks whose generation changed since the match were
-     legitimately reused before we got to them: dropped, not flagged;
+  1. identity (:mod:`sidecar.checks.identity`): key consistency, coverage per cache group
+     (a hit listing no block is judged on this alone);
+  2. ``adapter.read`` (time-limited) — blocks reused since the match: dropped, not flagged;
   3. structure, content stats, write-time fingerprint — on the bytes just read;
   4. ``adapter.recompute`` under the recompute budget, compared with a dtype-aware tolerance —
      only for blocks no earlier stage already condemned. The tolerance is per reference kind
@@ -15,8 +15,8 @@ Order (each stage only spends what the previous ones could not decide):
      layers; a failed compare is explained per group kind (:mod:`sidecar.checks.hybrid`:
      window off by a block, stale recurrent state, partial tier load).
 
-Admission (:mod:`sidecar.core.admission`): recomputes in flight and verifications of blocks
-recovered through an offload tier are capped; over one, dropped (``admission``), not queued.
+Admission (:mod:`sidecar.core.admission`): recomputes in flight and verifications through
+an offload tier are capped; over one, dropped (``admission``), not queued.
 """
 
 from __future__ import annotations
@@ -164,11 +164,10 @@ class Verifier:
         return verdict
 
     def _run(self, sample: Sample, verdict: Verdict) -> None:
-        """A block counts as verified once some stage decided it: condemned by a check, or
-        passed the last stage. Blocks nobody could decide (reused before the read, over
-        budget, adapter failure) are dropped and counted by reason."""
+        """A block is verified once a stage decided it (condemned, or passed the last one);
+        one none could (reused before the read, over budget, adapter failure): a counted drop."""
         hit, refs = sample.hit, sample.refs
-        if not refs:  # a hit that lists no block to read: only its coverage can be judged
+        if not refs:
             verdict.findings.extend(check_coverage(hit, self.info))
             return
         problem = token_ids_problem(hit, self.info.block_size * (max(r.index for r in refs) + 1))
