@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvtestbed.bench.perf_pair_rows import STEADY_OFF, off_variation
 
 from tests.engine_bench_rows import split_thread_rows
 from tests.vllm.conftest import MEASUREMENTS
@@ -52,8 +53,12 @@ def test_quick_json_structure() -> None:
         # The spread is printed to 3 significant digits: compare the ratio rounded alike
         # (rounding keeps order; a median of 2 pairs can sit under its rounded-up minimum).
         assert floor <= lo <= float(f"{r['ratio']:.3g}") <= hi, r
-    assert rows[0]["target"] == ">= 0.97" and isinstance(rows[0]["met"], bool)
     raw = out["raw"]["vllm"]
+    # judged only where the off runs held steady (kvtestbed.bench.perf_pair_rows.STEADY_OFF)
+    steady = off_variation(raw["rounds"]) <= STEADY_OFF
+    assert rows[0]["target"] == ">= 0.97"
+    assert isinstance(rows[0]["met"], bool) if steady else (
+        rows[0]["met"] is None and "not judged" in rows[0]["spread"])
     assert len(raw["rounds"]) == 2
     for rd in raw["rounds"]:
         assert sorted(rd["order"]) == ["off", "on N=100"]
