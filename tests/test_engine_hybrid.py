@@ -21,6 +21,7 @@ from kvtestbed.engines.sequence import Request
 from kvtestbed.workload import ChatWorkload, WorkloadConfig, drive
 from transformers import DynamicCache
 
+from sidecar.adapters.hf_cache import cache_argument
 from sidecar.checks.group_coverage import required_blocks
 from sidecar.checks.recompute import block_error
 from sidecar.core.monitor import Monitor, SidecarConfig
@@ -171,7 +172,7 @@ def test_recurrent_state_at_each_boundary_equals_a_fresh_hf_prefill(dtype: str,
         tokens = (p[:70] if s.seq_id == 0 else p)[:end]
         with torch.inference_mode():
             cache_ = DynamicCache(config=hf.config)
-            hf(input_ids=torch.tensor([tokens]), past_key_values=cache_, use_cache=True)
+            hf(input_ids=torch.tensor([tokens]), use_cache=True, **{cache_argument(hf): cache_})
         want = torch.stack([cache_.layers[i].conv_states[0][0] for i in conv_layers])
         got = engine.pools[1].key[:, s.block_id, :, :, 0]
         assert got.shape == want.shape == (2, 64, 3)
@@ -189,8 +190,8 @@ def test_hybrid_blocks_equal_hf_kv_in_window_and_adapter_reads_null_as_is() -> N
     engine.serve(Request(p, max_new_tokens=2))
     hit = rec.hits[-1]
     with torch.inference_mode():
-        out = engine.model.model(input_ids=torch.tensor([p[:hit.hit_tokens]]),
-                                 past_key_values=DynamicCache(), use_cache=True)
+        out = engine.model.model(input_ids=torch.tensor([p[:hit.hit_tokens]]), use_cache=True,
+                                 **{cache_argument(engine.model.model): DynamicCache()})
     kv = out.past_key_values
     adapter = HybridReferenceAdapter(engine)
     for g, group in enumerate(engine.groups):

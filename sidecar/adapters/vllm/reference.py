@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sidecar.adapters.hf_cache import cache_argument
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import reference_salt
 from sidecar.core.extras import require
@@ -92,7 +93,7 @@ class HFReference:
                 kwargs = {}
                 if self._sliding:
                     from transformers import DynamicCache
-                    kwargs["past_key_values"] = DynamicCache()  # keeps every position
+                    kwargs[cache_argument(self.model)] = DynamicCache()  # keeps every position
                 out = self.model(torch.tensor([list(hit.tokens[:n])]), use_cache=True,
                                  **kwargs)
         finally:

@@ -17,7 +17,6 @@ No hub downloads: configs are written here and weights seeded by ``(seed, revisi
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -26,6 +25,7 @@ import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Lfm2Config, Lfm2ForCausalLM
 
 from kvtestbed.engines.model import ModelConfig, derive_seed
+from sidecar.adapters.hf_cache import cache_argument
 
 HYBRID_MODELS = ("hybrid", "recurrent")
 FULL, SLIDING, CONV = "full_attention", "sliding_attention", "conv"
@@ -101,10 +101,7 @@ class HybridLM:
         for p in model.parameters():
             p.data = p.data.to(c.torch_dtype)
         self.model = model.eval()
-        # transformers renames forward's past_key_values to cache model by model (Gemma2 in
-        # 5.x warns on the old name): the name this version's forward takes.
-        self._cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
-                          else "past_key_values")
+        self._cache_kw = cache_argument(model)  # past_key_values, or cache where renamed
         self.dtype = c.torch_dtype
         types = tuple(self.hf_config.layer_types)
         state_shape: tuple[int, ...] = ()
