@@ -95,6 +95,7 @@ def record(name: str, root: Path) -> int:
     which the page shows, never hides)."""
     bench = BENCHES[name]
     commit = _commit(root)  # the code the run measures: taken before it starts
+    host = machine()  # its load average is the one at the start (taken after, it was the end's)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli", *bench.args],
@@ -109,7 +110,7 @@ def record(name: str, root: Path) -> int:
     doc = {"bench": name, "command": " ".join(("kv-sidecar", *bench.args)),
            "scope": bench.scope, "exit_code": proc.returncode,
            "date": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(seconds, 1),
-           "commit": commit, "machine": machine(), "result": result}
+           "commit": commit, "machine": host, "result": result}
     path = root / BENCH_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
