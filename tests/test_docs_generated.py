@@ -45,3 +45,19 @@ def test_the_site_lists_every_signal_and_config_key_of_the_code() -> None:
     config = (ROOT / "docs/reference/config.md").read_text()
     for keys in build_schema().sections.values():
         assert all(f"`{k.env}`" in config for k in keys.values())
+
+
+def test_a_recordings_load_average_is_labelled_when_it_was_taken() -> None:
+    """The recorder took the host's load after the run and labelled it "at start" (a
+    recording made at load 0.7 said 5.7): now taken first; older recordings keep theirs
+    under ``load_at_end`` and say so."""
+    from kvtestbed.docs.bench_tables import provenance
+
+    doc = {"bench": "x", "machine": {"cpu": "x", "cores": 2, "system": "s", "python": "3",
+                                     "torch": "2", "load_at_start": 0.7},
+           "exit_code": 0, "scope": "full: x", "command": "kv-sidecar bench x", "date": "d",
+           "commit": "c", "seconds": 1}
+    assert "load average 0.7 at start" in provenance(doc)
+    doc["machine"] = {**doc["machine"], "load_at_end": 5.7}
+    del doc["machine"]["load_at_start"]
+    assert "load average 5.7 at the end" in provenance(doc)

@@ -23,8 +23,11 @@ def load(root: Path, name: str) -> dict[str, Any] | None:
 
 def provenance(doc: dict[str, Any]) -> str:
     m = doc["machine"]
-    load_avg = m.get("load_at_start")
-    loaded = f", load average {load_avg:.1f} at start" if load_avg is not None else ""
+    # Recordings before the recorder took it first have the load at the end of the run.
+    at, load_avg = next(((w, m[k]) for w, k in (("start", "load_at_start"),
+                                                ("the end", "load_at_end")) if k in m),
+                        ("start", None))
+    loaded = f", load average {load_avg:.1f} at {at}" if load_avg is not None else ""
     verdict = ("exit 0" if doc["exit_code"] == 0
                else f"**exit {doc['exit_code']}: a check of this run failed**")
     return "\n".join([
