@@ -132,3 +132,36 @@ def test_a_serve_command_whose_socket_cannot_be_bound_says_so_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kv-sidecar vllm serve: error: cannot bind")
     assert not rx.alive
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_serve_commands_http_port_in_use_is_one_line_and_its_socket_removed(
+        tmp_path: Path, capsys, engine: str) -> None:
+    """Found from outside: the probe socket bound, the HTTP port held by another process
+    gave a traceback (and left the socket file behind); now one line naming the address and
+    --port 0, exit 1, the sidecar stopped. A port out of range is a usage error (exit 2)."""
+    from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
+
+    from sidecar.cli.main import main
+
+    model = write_tiny_llama(tmp_path / "model")
+    sock = tmp_path / "p.sock"
+    args = [engine, "serve", "--model", str(model), "--dtype", "float32", "--probe",
+            f"ipc://{sock}", "--duration", "0.1", "--reference", "none"]
+    if engine == "vllm":
+        args += ["--block-size", "16"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        capsys.readouterr()
+        rc = main([*args, "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0] == (f"kv-sidecar {engine} serve: error: port {port} on 127.0.0.1 is in use "
+                      "(another sidecar or demo?): pass --port 0 for any free port, or "
+                      "another port")
+    assert not sock.exists()  # the probe socket the sidecar had bound is gone
+    with pytest.raises(SystemExit) as out:
+        main([*args, "--port", "65536"])
+    assert out.value.code == 2 and "65536" in capsys.readouterr().err

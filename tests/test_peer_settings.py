@@ -44,8 +44,9 @@ def test_the_shipped_kubernetes_probe_config_is_accepted() -> None:
     ({"endpoint": "ipc:///tmp/k.sock", "blocks_per_sample": False}, "blocks_per_sample"),
     ({"endpoint": "tcp://0.0.0.0:5555"}, "only to a sidecar on this host"),
     ({"endpoint": "tcp://192.168.1.9:5555"}, "only to a sidecar on this host"),
-    ({"sample_every": 10}, "a string 'endpoint'"),
-    ({"endpoint": None}, "a string 'endpoint'"),
+    ({"sample_every": 10}, "'endpoint' must be a string"),
+    ({"endpoint": None}, "'endpoint' must be a string"),
+    ({"endpoint": "ipc:///tmp/" + "a" * 200}, "a unix socket's path holds at most 107"),
 ])
 def test_a_bad_setting_is_refused_by_name(extra: dict[str, object], says: str) -> None:
     with pytest.raises(ValueError, match=WHERE) as err:
@@ -58,6 +59,11 @@ def test_every_problem_is_named_at_once() -> None:
         check_settings({"endpoint": "tcp://10.1.1.1:1", "x": 1, "seed": -5}, PROBE_KEYS, WHERE)
     msg = str(err.value)
     assert "unknown key 'x'" in msg and "seed must be" in msg and "on this host" in msg
+    # a missing endpoint is one of the problems, not the only one named (found from outside)
+    with pytest.raises(ValueError) as err:
+        check_settings({"x": 1, "seed": -5}, PROBE_KEYS, WHERE)
+    msg = str(err.value)
+    assert "unknown key 'x'" in msg and "seed must be" in msg and "'endpoint' must be" in msg
 
 
 @pytest.mark.parametrize("endpoint", [

@@ -254,7 +254,8 @@ def test_tap_stats_move_the_counters_by_what_grew_per_tap() -> None:
     ('{"endpoint": "ipc:///tmp/kvs.sock", "seed": -1}', "seed must be"),
     ('{"endpoint": "tcp://10.0.0.7:5555"}', "must be ipc://<absolute path> or tcp://127.0.0.1"),
     ('{"endpoint": "ipc://"}', "must be ipc://<absolute path>"),
-    ('{"endpoint": 5}', "a string 'endpoint'"),
+    ('{"endpoint": 5}', "'endpoint' must be a string"),
+    ('{"endpoint": "ipc:///tmp/%s.sock"}' % ("a" * 200), "holds at most 107"),
     ('{"endpoint": "ipc:///tmp/kvs.sock",', "is not JSON"),
     ("[1, 2]", "a string 'endpoint'"),
 ])

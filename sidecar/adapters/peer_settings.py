@@ -41,18 +41,22 @@ def check_settings(raw: Any, keys: Mapping[str, Setting], where: str) -> dict[st
         given = dict(raw) if isinstance(raw, Mapping) else None
     except Exception:  # a mapping whose own methods raise
         given = None
-    if given is None or not isinstance(given.get("endpoint"), str):
+    if given is None:
         raise ValueError(f"{where} must be a JSON object with a string 'endpoint' (the "
                          "sidecar's probe socket, e.g. ipc:///tmp/kvsidecar.sock)")
     unknown = [_shown(k) for k in given if k != "endpoint" and k not in keys]
     problems = [f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown[:5])}"
                 f"{' ...' if len(unknown) > 5 else ''} (known: endpoint, {', '.join(keys)})"
                 ] if unknown else []
-    try:  # the KV it ships goes only where a sidecar on this host could listen
-        check_peer_endpoint(given["endpoint"])
-    except ValueError as exc:
-        problems.append(str(exc))
-    out: dict[str, Any] = {"endpoint": given["endpoint"]}
+    if not isinstance(given.get("endpoint"), str):  # named with the rest, not alone
+        problems.append(f"'endpoint' must be a string (the sidecar's probe socket, e.g. "
+                        f"ipc:///tmp/kvsidecar.sock), got {_shown(given.get('endpoint'))}")
+    else:
+        try:  # the KV it ships goes only where a sidecar on this host could listen
+            check_peer_endpoint(given["endpoint"])
+        except ValueError as exc:
+            problems.append(str(exc))
+    out: dict[str, Any] = {"endpoint": given.get("endpoint")}
     for key, (kind, low, high, default) in keys.items():
         value: Any = given.get(key, default)
         if value is None and default is None:

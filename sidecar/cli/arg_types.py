@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -68,3 +70,16 @@ def started(service: Any, prog: str) -> bool:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return False
     return True
+
+
+def listening(make: Callable[[], T], service: Any, prog: str) -> T | None:
+    """Open a serve command's HTTP endpoint (``make()``); where its address cannot be bound
+    (a port in use, a host that is not this machine's: ``OSError``, said with the address),
+    stop the already started ``service`` (its socket files removed) and say why in one line
+    on stderr instead of a traceback. None then: the command exits 1."""
+    try:
+        return make()
+    except OSError as exc:
+        service.stop()
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return None

@@ -24,7 +24,7 @@ from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV, TAP_KEYS
 from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S
 from sidecar.checks import tolerance
-from sidecar.cli.arg_types import bounded, started
+from sidecar.cli.arg_types import bounded, listening, port, started
 from sidecar.config.settings import POLL_PERIOD
 
 
@@ -64,8 +64,11 @@ def _serve(a: argparse.Namespace) -> int:
         return 2
     if not started(sc, "kv-sidecar sglang serve"):
         return 1
-    server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
-                           token=token).start()
+    server = listening(lambda: SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
+                                             token=token).start(),
+                       sc, "kv-sidecar sglang serve")
+    if server is None:
+        return 1
     print(f"kv-sidecar for SGLang: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -119,7 +122,9 @@ def parser() -> argparse.ArgumentParser:
                             f"SGLang's HTTP process ~8 ms of CPU); {span}, default "
                             "%(default)s")
         s.add_argument("--host", default="127.0.0.1")
-        s.add_argument("--port", type=int, default=9400)
+        s.add_argument("--port", type=port, default=9400,
+                       help="the sidecar's HTTP port: /metrics, /healthz, /status (0: any "
+                            "free port; default: 9400)")
         s.add_argument("--duration", type=float, default=0.0,
                        help="stop after this many seconds and print the summary (0: run)")
         tolerance.add_arguments(s)

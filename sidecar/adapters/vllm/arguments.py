@@ -10,7 +10,7 @@ import math
 
 from sidecar.adapters.vllm.hashing import ALGOS
 from sidecar.checks import tolerance
-from sidecar.cli.arg_types import bounded
+from sidecar.cli.arg_types import bounded, port
 
 
 def _interval(text: str) -> float:
@@ -65,7 +65,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         s.add_argument("--poll-every", type=float, default=2.0,
                        help="seconds between reads of vLLM's /metrics")
         s.add_argument("--host", default="127.0.0.1")
-        s.add_argument("--port", type=int, default=9400)
+        s.add_argument("--port", type=port, default=9400,
+                       help="the sidecar's HTTP port: /metrics, /healthz, /status (0: any "
+                            "free port; default: 9400)")
         from sidecar.export.otel_push import add_arguments as add_otlp_arguments
 
         add_otlp_arguments(s)

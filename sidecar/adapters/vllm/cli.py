@@ -27,7 +27,7 @@ from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.vllm import arguments
 from sidecar.adapters.vllm.engine_config import PROBE_KEYS, events_config, probe_transfer_config
 from sidecar.checks import tolerance
-from sidecar.cli.arg_types import started
+from sidecar.cli.arg_types import listening, started
 from sidecar.config.cli import add_config_arguments, configure
 from sidecar.config.layers import ConfigError
 from sidecar.config.schema import subparser
@@ -113,14 +113,17 @@ def _serve(a: argparse.Namespace) -> int:
         return 2
     if not started(sc, "kv-sidecar vllm serve"):
         return 1
+    server = listening(lambda: SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
+                                             health=sc.health, token=token).start(),
+                       sc, "kv-sidecar vllm serve")
+    if server is None:
+        return 1
     reset = _prefix_reset(a, sc)
     push = None
     if a.otlp_endpoint:
         from sidecar.export.otel_push import start_otlp_push
 
         push = start_otlp_push(sc.monitor, a.otlp_endpoint, a.otlp_interval, a.otlp_protocol)
-    server = SidecarServer(sc.metrics.registry, sc.summary, a.host, a.port,
-                           health=sc.health, token=token).start()
     print(f"kv-sidecar for vLLM: metrics on {server.url}/metrics", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -119,5 +119,9 @@ def check_peer_endpoint(endpoint: str) -> None:
     """Refuse an endpoint an in-engine probe or tap would send KV to that is not on this
     host (ValueError says why): ``ipc://`` with an absolute path (any directory: the sidecar
     that binds it applies :func:`check_endpoint`, under its own temp directory) or
-    ``tcp://127.0.0.1:<port>``."""
-    _local(endpoint, ": the probe ships KV only to a sidecar on this host")
+    ``tcp://127.0.0.1:<port>``; an ``ipc://`` path too long for a unix socket, which no
+    sidecar could bind, is refused here too, at the engine's start."""
+    ipc = _local(endpoint, ": the probe ships KV only to a sidecar on this host")
+    if ipc is not None and len(os.fsencode(ipc)) > _MAX_SOCKET_PATH:
+        raise ValueError(f"probe endpoint path {ipc[:80]!r}... is {len(os.fsencode(ipc))} "
+                         f"bytes: a unix socket's path holds at most {_MAX_SOCKET_PATH}")
