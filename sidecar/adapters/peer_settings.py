@@ -25,8 +25,10 @@ Setting = tuple[type, float, float, Any]
 
 
 def _shown(value: Any) -> str:
-    """A value as a message shows it: its repr, cut short (a peer may send megabytes)."""
-    text = repr(value)
+    """A value as a message shows it: as JSON wrote it for JSON's own constants (``true``,
+    ``null``, ``NaN``: the settings are JSON), else its repr; cut short (a peer may send
+    megabytes)."""
+    text = json.dumps(value) if value is None or type(value) in (bool, float) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

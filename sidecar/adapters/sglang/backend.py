@@ -77,7 +77,7 @@ def tap_config() -> dict[str, Any]:
     if not raw:
         raise ValueError(f"kv-sidecar's SGLang backend needs {CONFIG_ENV}, a JSON object "
                          "with at least 'endpoint' (the sidecar's probe socket, e.g. "
-                         "ipc:///tmp/kvsidecar/sglang.sock)")
+                         "ipc:///tmp/kvsidecar-sglang.sock)")
     return check_settings(parse_settings(raw, CONFIG_ENV), TAP_KEYS, CONFIG_ENV)
 
 
