@@ -105,3 +105,28 @@ def test_a_hit_that_lists_no_block_is_judged_like_one_whose_list_stops_short() -
     short.on_lookup(Lookup(TOY_BS, TOY_BS - 1, Hit(list(range(TOY_BS)), TOY_BS - 1, {}),
                            seq_id=1))
     assert short.verify_pending() == [] and short.summary()["sampled"] == 0
+
+
+def test_a_hit_that_lists_no_block_is_judged_in_the_sidecar_process_too() -> None:
+    """The same in ``dispatch = "process"``: the engine-side front shipped such a hit as a
+    bare lookup, unjudged; it now ships it for the sidecar process's coverage check."""
+    import dataclasses
+
+    from kvtestbed.adapters.paged_adapter import ReferenceAdapter
+    from kvtestbed.demo import DemoOptions, sidecar_config
+    from kvtestbed.engines.engine import EngineConfig, ReferenceEngine
+    from kvtestbed.engines.model import ModelConfig
+
+    from sidecar.adapters.remote.process import SidecarProcess
+
+    engine = ReferenceEngine(EngineConfig(model=ModelConfig(seed=0), num_blocks=64))
+    cfg = sidecar_config(DemoOptions(fault="none", sidecar={"dispatch": "process"}))
+    sidecar = SidecarProcess(ReferenceAdapter(engine), dataclasses.replace(
+        cfg, sample_every=1, burst_hits=0), port=0).start()
+    try:
+        n = 4 * engine.block_size
+        sidecar.front.on_lookup(Lookup(n, n, Hit(list(range(n)), n, {}), seq_id=1))
+        assert sidecar.drain(60)
+        assert sidecar.summary()["anomalies"] == {"missing_group_state": 1}
+    finally:
+        sidecar.stop()

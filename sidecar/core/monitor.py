@@ -171,8 +171,8 @@ class Monitor(JournaledHooks, SampledHits):
             self.group_signals.on_hit(hit)
             captured = {b.ref: b for b in blocks}
             refs = tuple(sorted(captured, key=lambda r: (r.group_id, r.index)))
-            if not refs:
-                return None
+            if not refs and lookup.hit_tokens < self.info.block_size:
+                return None  # no block: judged on coverage alone, where it claims one
             self._log_hit(hit, lookup.seq_id, lookup.hit_tokens)
             self._c_sampled.value += 1
             return self.dispatcher.submit(self._take(hit, refs, captured, writes))

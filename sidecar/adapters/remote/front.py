@@ -247,9 +247,11 @@ class EngineFront(Outbox):
             self._post((LOOKUP, (q, h)))
             return
         blocks: list[BlockKV] = []
+        unlisted = False  # full blocks claimed, none listed: the sidecar judges its coverage
         try:
             refs = tuple(self.sampler.choose(copy, self.info.block_size,
                                              self.config.blocks_per_sample, self.info.groups))
+            unlisted = not refs and copy.hit_tokens >= self.info.block_size
             # the tokens the checks read (the hit's and the chosen blocks'), copied now
             end = max([r.token_range(self.info.block_size)[1] for r in refs], default=0)
             copy = replace(copy, tokens=copy.tokens[:max(end, copy.hit_tokens)])
@@ -265,8 +267,8 @@ class EngineFront(Outbox):
         except BaseException as exc:
             self._failed("capture", adapter_error("capture", exc))
             self.dropped[DropReason.ADAPTER_ERROR.value] += 1
-            blocks, size = [], 0
-        if not blocks or size > self.config.capture_max_bytes:
+            blocks, size, unlisted = [], 0, False
+        if (not blocks and not unlisted) or size > self.config.capture_max_bytes:
             if blocks:
                 self.dropped[DropReason.CAPTURE_TOO_LARGE.value] += 1
             self._post((LOOKUP, (q, h)))
