@@ -48,6 +48,14 @@ def _local(endpoint: str, why: str) -> str | None:
 _MAX_SOCKET_PATH = 107
 
 
+def _check_fits(ipc: str, what: str) -> None:
+    """An ``ipc://`` path a unix socket can hold (ValueError otherwise)."""
+    size = len(os.fsencode(ipc))
+    if size > _MAX_SOCKET_PATH:
+        raise ValueError(f"{what} path {ipc[:80]!r}... is {size} bytes: a unix socket's "
+                         f"path holds at most {_MAX_SOCKET_PATH}")
+
+
 def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS,
                    what: str = "probe socket") -> None:
     """Refuse endpoints any other host or user could send to, and ``ipc://`` paths a bind
@@ -60,9 +68,7 @@ def check_endpoint(endpoint: str, ipc_dirs: tuple[str, ...] = IPC_DIRS,
                for d in (os.path.realpath(d) for d in ipc_dirs)):
         raise ValueError(f"{what} {path!r} is not under an allowed directory "
                          f"{list(ipc_dirs)}")
-    if len(os.fsencode(ipc)) > _MAX_SOCKET_PATH:
-        raise ValueError(f"{what} path {ipc[:80]!r}... is {len(os.fsencode(ipc))} bytes: a "
-                         f"unix socket's path holds at most {_MAX_SOCKET_PATH}")
+    _check_fits(ipc, what)
     if not os.path.isdir(os.path.dirname(path)):
         raise ValueError(f"{what} {ipc!r}: directory {os.path.dirname(path)!r} does not "
                          "exist (create it first)")
@@ -122,6 +128,5 @@ def check_peer_endpoint(endpoint: str) -> None:
     ``tcp://127.0.0.1:<port>``; an ``ipc://`` path too long for a unix socket, which no
     sidecar could bind, is refused here too, at the engine's start."""
     ipc = _local(endpoint, ": the probe ships KV only to a sidecar on this host")
-    if ipc is not None and len(os.fsencode(ipc)) > _MAX_SOCKET_PATH:
-        raise ValueError(f"probe endpoint path {ipc[:80]!r}... is {len(os.fsencode(ipc))} "
-                         f"bytes: a unix socket's path holds at most {_MAX_SOCKET_PATH}")
+    if ipc is not None:
+        _check_fits(ipc, "probe endpoint")

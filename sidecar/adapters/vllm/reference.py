@@ -78,6 +78,7 @@ class HFReference:
         cfg = self.model.config
         self._state_len = int(getattr(cfg, "conv_L_cache", 0) or 0) - 1
         self._sliding = any(g.kind is GroupKind.SLIDING_WINDOW for g in info.groups)
+        self._cache_kw = cache_argument(self.model)  # past_key_values, or cache where renamed
 
     def recompute(self, hit: Hit, refs: Sequence[BlockRef]) -> list[BlockKV]:
         bs = self.info.block_size
@@ -93,7 +94,7 @@ class HFReference:
                 kwargs = {}
                 if self._sliding:
                     from transformers import DynamicCache
-                    kwargs[cache_argument(self.model)] = DynamicCache()  # keeps every position
+                    kwargs[self._cache_kw] = DynamicCache()  # keeps every position
                 out = self.model(torch.tensor([list(hit.tokens[:n])]), use_cache=True,
                                  **kwargs)
         finally:
