@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtestbed.bench.perf_pair_rows import STEADY_OFF, off_variation
@@ -31,18 +32,33 @@ def _run(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
+def _steps_row(rows: list[dict[str, Any]], pairs: int) -> list[dict[str, Any]]:
+    """The rows but vLLM's engine steps per request, after checking that one (its spread
+    counts the runs in small batches, not a min..max)."""
+    [steps] = [r for r in rows if r["figure"].endswith("vLLM engine steps per request")]
+    assert math.isfinite(steps["ratio"]) and steps["sidecar"] > 1 and steps["baseline"] > 1
+    assert f" of {pairs} on, " in steps["spread"] and steps["spread"].endswith(
+        f" of {pairs} off"), steps
+    return [r for r in rows if r is not steps]
+
+
 def test_quick_json_structure() -> None:
-    proc = _run("--quick", "--json")
+    proc = _run("--quick", "--vllm-control", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     assert out["settings"]["engine"] == "vllm" and out["settings"]["pairs"] == 2
-    assert out["settings"]["sample_every"] == [100]
-    rows = split_thread_rows(out["rows"], "vLLM")
+    assert out["settings"]["sample_every"] == [100] and out["settings"]["control"] is True
+    # The A/A control (a second off server) first: how far two identical servers differ.
+    control = [r for r in out["rows"] if r["figure"].startswith("vLLM off again")]
+    assert control and all(r["target"] == "-" and r["met"] is None for r in control)
+    assert not any("sidecar's process" in r["figure"] for r in control)
+    rows = _steps_row(split_thread_rows([r for r in out["rows"] if r not in control],
+                                        "vLLM"), 2)
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of vLLM's processes per run, vs vLLM's off",
         "CPU seconds of the sidecar's process per run, vs vLLM's off"]
-    for r in rows:
+    for r in rows + _steps_row(split_thread_rows(control, "vLLM"), 2):
         # The sidecar's process, probing 1 in 100 of 200 requests, can use less than one of
         # /proc's 10 ms ticks in a run: its CPU figure (and the spread's minimum) may read 0.
         floor = 0.0 if "sidecar's process" in r["figure"] else 1e-12
@@ -61,11 +77,17 @@ def test_quick_json_structure() -> None:
         rows[0]["met"] is None and "not judged" in rows[0]["spread"])
     assert len(raw["rounds"]) == 2
     for rd in raw["rounds"]:
-        assert sorted(rd["order"]) == ["off", "on N=100"]
+        assert sorted(rd["order"]) == ["off", "off again", "on N=100"]
         for run in rd["runs"].values():
             assert run["requests"] == 200 and run["completion_tokens"] == 200 * 8
             assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
             assert run["cpu_s"]["vllm"] > 0
+            # vLLM's own account of the run: its steps (each run's prompts are new)
+            counted = run["engine_counters"]
+            assert counted["iteration_tokens_total_count"] >= 200
+            # (read as the last answer arrives: vLLM may record its last step's just after)
+            assert abs(counted["prompt_tokens_total"] - run["prompt_tokens"]) \
+                <= 0.1 * run["prompt_tokens"]
             # every live thread of the engine's process group, by process/thread name: most
             # of the group's CPU (a thread that ended during the run counts in the group's
             # total only), never more (/proc's ticks: 10 ms each)

@@ -57,6 +57,7 @@ def pair_rows(res: dict[str, Any], name: str, ratios: dict[str, Any], title: str
                        med(name, f"{key}_s") * 1e3, med("off", f"{key}_s") * 1e3, "ms",
                        ratios[key]["median"], "-", None, _spread(ratios[key])))
     out += thread_rows(rounds, name, title, engine_label)
+    out += step_rows(rounds, name, title, engine_label)
     roles = [(engine, f"{engine_label}'s processes")]
     if sidecar:
         roles.append(("sidecar", "the sidecar's process"))
@@ -94,3 +95,31 @@ def thread_rows(rounds: list[dict[str, Any]], name: str, title: str,
                 off * 1e6, "us", on / off if off > 0 else float("nan"), "-", None,
                 f"{(on - off) * 1e6:+.0f} us/request")
             for on, off, t in grown]
+
+
+STEPS = "iteration_tokens_total_count"  # vLLM's engine steps (its iteration-tokens histogram)
+SMALL_BATCHES = 1.5  # a run with more steps than this times off's median: small batches
+
+
+def step_rows(rounds: list[dict[str, Any]], name: str, title: str,
+              engine_label: str) -> list[Row]:
+    """The engine's steps per request (from its own /metrics, kept per run by
+    :mod:`kvtestbed.bench.engine_counters`), on against off, and how many runs of each ran
+    in small batches (more than :data:`SMALL_BATCHES` times off's median steps for the same
+    requests): on a saturated host vLLM can fall into a state where it steps one request at
+    a time, taking 3-7x the steps and the time, and a run there says nothing about the
+    per-request cost being compared. Absent for engines or runs without the count."""
+    def steps(config: str) -> list[float]:
+        return [rd["runs"][config].get("engine_counters", {}).get(STEPS, 0.0)
+                / max(rd["runs"][config]["requests"], 1) for rd in rounds]
+
+    on, off = steps(name), steps("off")
+    if not all(on) or not all(off):
+        return []
+    cut = SMALL_BATCHES * statistics.median(off)
+    return [Row(f"{title} vs off: {engine_label} engine steps per request",
+                statistics.median(on), statistics.median(off), "steps",
+                statistics.median(on) / statistics.median(off), "-", None,
+                f"runs in small batches (> {SMALL_BATCHES:g}x off's median steps): "
+                f"{sum(x > cut for x in on)} of {len(on)} on, "
+                f"{sum(x > cut for x in off)} of {len(off)} off")]

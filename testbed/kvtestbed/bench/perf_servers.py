@@ -322,8 +322,8 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs: int,
                        requests: int, concurrency: int, max_tokens: int,
-                       ready_timeout_s: float = 600.0, started: float | None = None
-                       ) -> dict[str, Any]:
+                       ready_timeout_s: float = 600.0, started: float | None = None,
+                       counters: tuple[str, ...] = ()) -> dict[str, Any]:
     """Wait for every configuration (already starting; the first is "off"), warm each up
     alike, run ``pairs`` rounds, stop them all; the raw figures and, per configuration but
     "off", each pair's ratio to "off" (tokens/s, P50, P99, CPU of ``engine``'s and the
@@ -333,7 +333,9 @@ def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs:
     each round (drift and ordering cancel over rounds), each alone (:func:`alone`: the
     others stopped); each round draws new shared
     prefixes, so every run starts from a cold prefix and then hits. ``started``: when the
-    servers were started (for the start-up time reported; default: now)."""
+    servers were started (for the start-up time reported; default: now); ``counters``: the
+    engine's /metrics counters kept per run (:mod:`kvtestbed.bench.engine_counters`)."""
+    from kvtestbed.bench import engine_counters
     servers = list(by_name.values())
     names = list(by_name)
     started = time.monotonic() if started is None else started
@@ -359,11 +361,14 @@ def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs:
             for name in order:
                 before = cpu_by_role(by_name[name])
                 threads_before = engine_threads(by_name[name], engine)
+                said = engine_counters.read(by_name[name].url, counters)
                 with alone(by_name[name], servers):
                     runs[name] = drive(by_name[name].url, api, prompts, concurrency,
                                        max_tokens)
                 after = cpu_by_role(by_name[name])
                 threads_after = engine_threads(by_name[name], engine)
+                runs[name]["engine_counters"] = engine_counters.delta(
+                    said, engine_counters.read(by_name[name].url, counters))
                 runs[name]["cpu_s"] = {k: after[k] - before[k] for k in after}
                 runs[name]["threads_cpu_s"] = {
                     t: round(v - threads_before.get(t, 0.0), 3)

@@ -50,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-events-only", action="store_true",
                    help="with --engine vllm: also run KV events and the sidecar without the "
                         "probe (which part costs what)")
+    p.add_argument("--vllm-control", action="store_true",
+                   help="with --engine vllm: also run a second off server (an A/A control: "
+                        "how far two identical servers differ on this host, the resolution "
+                        "of every on/off ratio)")
+    p.add_argument("--vllm-poll-every", type=float, default=None, metavar="S",
+                   help="with --engine vllm: seconds between the sidecars' reads of vLLM's "
+                        "/metrics (default: the sidecar's own, 15; 2 was the default that "
+                        "tipped vLLM into small batches here)")
     p.add_argument("--vllm-requests", type=int, default=None, metavar="N",
                    help="with --engine vllm: requests per timed run (default: 2000; "
                         "--quick: 200)")
@@ -72,19 +80,29 @@ def ratio_key(n: int) -> str:
     return "events_only" if n == 0 else str(n)
 
 
+CONTROL = "off again"  # the A/A control's configuration name; its ratios' key: "control"
+
+
 def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
             concurrency: int, reference: str, fingerprint_every: int | None = None,
-            max_tokens: int = 8) -> dict[str, Any]:
-    """Start every configuration, warm each up, run ``pairs`` rounds; the raw figures."""
+            max_tokens: int = 8, control: bool = False,
+            poll_every: float | None = None) -> dict[str, Any]:
+    """Start every configuration (``control``: a second off server too), warm each up, run
+    ``pairs`` rounds; the raw figures."""
+    from kvtestbed.bench import engine_counters
     from kvtestbed.bench import perf_servers as P
     from kvtestbed.bench import perf_vllm_server as S
 
     configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
+    if control:
+        configs.append((CONTROL, None))
     servers = [S.start(py, model, name.replace(" ", "").replace("=", ""), n, reference,
-                       fingerprint_every) for name, n in configs]
+                       fingerprint_every, poll_every) for name, n in configs]
     out = P.interleaved_rounds("vllm", dict(zip((c[0] for c in configs), servers, strict=True)),
-                               P.openai_api(model), pairs, requests, concurrency, max_tokens)
-    out["ratios"] = {ratio_key(n or 0): out["ratios"][name] for name, n in configs[1:]}
+                               P.openai_api(model), pairs, requests, concurrency, max_tokens,
+                               counters=engine_counters.VLLM)
+    out["ratios"] = {"control" if name == CONTROL else ratio_key(n or 0): out["ratios"][name]
+                     for name, n in configs[1:]}
     return out
 
 
@@ -100,6 +118,10 @@ def rows(res: dict[str, Any], ns: list[int]) -> list[Row]:
     from kvtestbed.bench.perf_pair_rows import pair_rows
 
     out: list[Row] = []
+    if "control" in res["ratios"]:
+        out += pair_rows(res, CONTROL, res["ratios"]["control"],
+                         "vLLM off again (A/A control, no sidecar)", "vllm", "vLLM", None,
+                         sidecar=False)
     for n in ns:
         what = "KV events + sidecar, no probe," if n == 0 else f"probe + events 1 in {n}"
         out += pair_rows(res, config_name(n), res["ratios"][ratio_key(n)], f"vLLM {what}",
@@ -116,17 +138,22 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtestbed.bench import perf_vllm_server as S
 
-    try:
-        py = S.find_vllm_python(args.vllm_python)
-    except (S.EngineMissing, OSError) as e:
-        print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
-        return 2
     ns = list(args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10]))
     pairs = 2 if args.quick else args.repeats
     requests = args.vllm_requests or (200 if args.quick else 2000)
     if min(ns) < 1 or requests < 1 or args.vllm_concurrency < 1:
         print("kv-sidecar bench perf --engine vllm: N, requests and concurrency must be >= 1",
               file=sys.stderr)
+        return 2
+    poll = args.vllm_poll_every
+    if poll is not None and not 0.05 <= poll <= 86400:  # the sidecar's own bounds (NaN too)
+        print("kv-sidecar bench perf --engine vllm: --vllm-poll-every must be 0.05..86400 "
+              f"seconds, got {poll}", file=sys.stderr)
+        return 2
+    try:
+        py = S.find_vllm_python(args.vllm_python)
+    except (S.EngineMissing, OSError) as e:
+        print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
         return 2
     if args.vllm_events_only:
         ns = [*ns, 0]
@@ -138,14 +165,16 @@ def run(args: argparse.Namespace) -> int:
         model = str(write_tiny_llama(f"{d}/model"))
         try:
             res = measure(py, model, ns, pairs, requests, args.vllm_concurrency,
-                          args.vllm_reference, args.vllm_fingerprint_every)
+                          args.vllm_reference, args.vllm_fingerprint_every,
+                          control=args.vllm_control, poll_every=args.vllm_poll_every)
         except RuntimeError as e:
             print(f"kv-sidecar bench perf --engine vllm: {e}", file=sys.stderr)
             return 1
     table = rows(res, ns)
     settings = {"engine": "vllm", "quick": args.quick, "pairs": pairs, "sample_every": ns,
                 "requests_per_run": requests, "concurrency": args.vllm_concurrency,
-                "reference": args.vllm_reference,
+                "reference": args.vllm_reference, "control": args.vllm_control,
+                "poll_every": args.vllm_poll_every or "sidecar default",
                 "fingerprint_every": ("probe default" if args.vllm_fingerprint_every is None
                                       else args.vllm_fingerprint_every),
                 "model": "tiny random Llama (tests/vllm)",

@@ -53,9 +53,11 @@ def _env() -> dict[str, str]:
 
 
 def start(py: str, model: str, name: str, sample_every: int | None,
-          reference: str = "none", fingerprint_every: int | None = None) -> Server:
+          reference: str = "none", fingerprint_every: int | None = None,
+          poll_every: float | None = None) -> Server:
     """Start one configuration (not waiting for it: :func:`wait_ready`): ``sample_every``
-    None is vLLM alone, 0 KV events and the sidecar without the probe, N the probe too."""
+    None is vLLM alone, 0 KV events and the sidecar without the probe, N the probe too;
+    ``poll_every``: the sidecar's reads of vLLM's /metrics (None: its default)."""
     rundir = Path(tempfile.mkdtemp(prefix=f"kvs-perf-{name}-", dir="/tmp"))
     env = _env()
     srv = Server(name, sample_every, f"http://127.0.0.1:{free_port()}", rundir)
@@ -68,7 +70,8 @@ def start(py: str, model: str, name: str, sample_every: int | None,
             py, "-m", "sidecar.adapters.vllm", "serve", "--model", model, "--dtype", DTYPE,
             "--block-size", str(BLOCK), "--probe", probe, "--events", events,
             "--replay", replay, "--metrics-url", f"{srv.url}/metrics",
-            "--engine-url", srv.url, "--reference", reference, "--port", str(sc_port)], env)
+            "--engine-url", srv.url, "--reference", reference, "--port", str(sc_port),
+            *([] if poll_every is None else ["--poll-every", str(poll_every)])], env)
         flags = subprocess.run(
             [py, "-m", "sidecar.adapters.vllm", "engine-args", "--probe", probe, "--events",
              events, "--replay", replay, "--sample-every", str(max(1, sample_every)),

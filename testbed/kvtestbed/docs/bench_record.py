@@ -50,9 +50,11 @@ BENCHES: dict[str, Bench] = {
     "perf": Bench(("bench", "perf", "--json"),
                   "full: medians of 5 repeats, callgrind instruction counts included"),
     "perf-vllm": Bench(("bench", "perf", "--engine", "vllm", "--vllm-requests", "600",
-                        "--json"),
-                       "reduced: 600 requests per timed run (the full run: 2,000), 5 "
-                       "interleaved pairs, N = 1000, 100 and 10; needs `.venv-vllm`"),
+                        "--vllm-sample-every", "1000", "100", "--vllm-control", "--repeats",
+                        "8", "--json"),
+                       "reduced: 600 requests per timed run (the full run: 2,000), 8 "
+                       "interleaved pairs, N = 1000 and 100 (the targets'), with an A/A "
+                       "control (a second off server); needs `.venv-vllm`"),
     "perf-sglang": Bench(("bench", "perf", "--engine", "sglang", "--json"),
                          "full: 1,200 requests per timed run, 5 interleaved pairs, N = 1000 and "
                          "100, SGLang's --kv-canary tried beside them; needs `.venv-sglang`"),
