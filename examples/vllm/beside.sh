@@ -8,6 +8,8 @@
 # REFERENCE (engine | hf), REQUESTS (60), RUN (a directory for sockets and logs),
 # PY (the python of the vLLM environment; the sidecar package must be installed there for
 # the in-engine probe), SIDECAR_PY (the sidecar's python; defaults to PY),
+# POLL_EVERY (seconds between the sidecar's reads of vLLM's /metrics; default: the
+# sidecar's own, 15: each read costs vLLM's HTTP process ~10 ms of CPU),
 # KEEP_RUNNING=1 to leave both running (Ctrl-C stops them),
 # PROFILE_OUT=FILE to calibrate: this vLLM is trusted, and the sidecar writes the noise floor
 # it measured to FILE when it stops (load it later with --calibration-profile FILE;
@@ -18,6 +20,7 @@ MODEL="${MODEL:?set MODEL to a checkpoint directory (examples/vllm/make_tiny_mod
 DTYPE="${DTYPE:-bfloat16}" BLOCK="${BLOCK:-32}" REFERENCE="${REFERENCE:-engine}"
 VLLM_PORT="${VLLM_PORT:-8000}" SIDECAR_PORT="${SIDECAR_PORT:-9400}"
 SAMPLE_EVERY="${SAMPLE_EVERY:-10}" REQUESTS="${REQUESTS:-60}"
+POLL_ARGS=(); [[ -n "${POLL_EVERY:-}" ]] && POLL_ARGS=(--poll-every "$POLL_EVERY")
 PY="${PY:-python}" SIDECAR_PY="${SIDECAR_PY:-$PY}"
 RUN="${RUN:-$(mktemp -d /tmp/kvsidecar-XXXXXX)}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
@@ -56,7 +59,7 @@ pids+=($!)
     --block-size "$BLOCK" --probe "ipc://$RUN/probe.sock" --events "ipc://$RUN/events.sock" \
     --replay "ipc://$RUN/replay.sock" --metrics-url "$VLLM_URL/metrics" \
     --engine-url "$VLLM_URL" --reference "$REFERENCE" --port "$SIDECAR_PORT" \
-    --poll-every 1 "${PROFILE_ARGS[@]}" > "$RUN/sidecar.log" 2>&1 &
+    "${POLL_ARGS[@]}" "${PROFILE_ARGS[@]}" > "$RUN/sidecar.log" 2>&1 &
 pids+=($!)
 
 wait_for() {  # url, seconds

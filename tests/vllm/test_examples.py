@@ -44,7 +44,8 @@ def _sample(metrics: str, name: str) -> float:
 def test_beside_the_openai_server(tiny_model: str, sockdir: Path) -> None:
     env = _env(MODEL=tiny_model, DTYPE="float32", PY=sys.executable, RUN=str(sockdir),
                VLLM_PORT=str(_free_port()), SIDECAR_PORT=str(_free_port()),
-               SAMPLE_EVERY="2", REQUESTS="48", PROFILE_OUT=str(sockdir / "profile.json"),
+               SAMPLE_EVERY="2", REQUESTS="48", POLL_EVERY="1",
+               PROFILE_OUT=str(sockdir / "profile.json"),
                PROFILE_MIN_BLOCKS="16")
     proc = subprocess.run(["bash", str(EXAMPLES / "beside.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=420)

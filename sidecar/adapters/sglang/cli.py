@@ -22,10 +22,9 @@ import threading
 
 from sidecar.adapters.peer_settings import check_settings
 from sidecar.adapters.sglang.backend import BACKEND_NAME, CONFIG_ENV, TAP_KEYS
-from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S
 from sidecar.checks import tolerance
 from sidecar.cli.arg_types import bounded, listening, port, started
-from sidecar.config.settings import POLL_PERIOD
+from sidecar.config.settings import ENGINE_METRICS_EVERY_S, POLL_PERIOD
 
 
 def _engine_args(a: argparse.Namespace) -> int:
@@ -117,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between publications of the allocator state (from "
                             "the tap's latest slot census, sent about once a second); "
                             f"{span}, default %(default)s")
-        s.add_argument("--metrics-every", type=period, default=METRICS_EVERY_S,
+        s.add_argument("--metrics-every", type=period, default=ENGINE_METRICS_EVERY_S,
                        help="seconds between reads of --metrics-url (each read costs "
                             f"SGLang's HTTP process ~8 ms of CPU); {span}, default "
                             "%(default)s")

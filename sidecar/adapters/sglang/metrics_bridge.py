@@ -29,6 +29,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import signals as S
+from sidecar.config.settings import ENGINE_METRICS_EVERY_S
 from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,6 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
-# Seconds between the sidecar's reads of SGLang's /metrics by default. A read is not free
-# for SGLang: its HTTP process renders the page from every process's metric files, ~8.4 ms
-# of CPU per read (0.5.23, tiny model, 645 lines; measured against a live server), on a host
-# whose cores serve requests. Prometheus itself reads such a page every 15-60 s; every 2 s
-# (the allocator poll's period, which first set it) cost SGLang as much CPU as a quarter
-# of the tap's own work.
-METRICS_EVERY_S = 15.0
-
 
 class SglangMetricsBridge:
     """Reads SGLang's /metrics every ``every_s`` on a thread of its own (:meth:`start`), so
@@ -69,7 +62,7 @@ class SglangMetricsBridge:
     served hits (SGLang's counter then holds hits no tap message will ever bring)."""
 
     def __init__(self, metrics: Metrics, url: str, counted: Callable[[], int],
-                 timeout_s: float = 2.0, every_s: float = METRICS_EVERY_S) -> None:
+                 timeout_s: float = 2.0, every_s: float = ENGINE_METRICS_EVERY_S) -> None:
         self.metrics = metrics
         self.url = url
         self.counted = counted

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import signals as S
 from sidecar.adapters.sglang.census import Census, check_census, decode_census
-from sidecar.adapters.sglang.metrics_bridge import METRICS_EVERY_S, SglangMetricsBridge
+from sidecar.adapters.sglang.metrics_bridge import SglangMetricsBridge
 from sidecar.adapters.vllm.adapter import (
     captured_hit,
     engine_info_from_checkpoint,
@@ -36,6 +36,7 @@ from sidecar.adapters.vllm.adapter import (
 from sidecar.adapters.vllm.receiver import ProbeReceiver
 from sidecar.adapters.vllm.wire import Capture, WireError, decode_key_fields
 from sidecar.checks.verifier import Verdict
+from sidecar.config.settings import ENGINE_METRICS_EVERY_S
 from sidecar.core.hook_input import check_lookup
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import (
@@ -68,7 +69,7 @@ class SglangSidecarConfig:
     reference: str = "hf"  # "hf" or "none"
     deferred: bool = False
     allocator_every_s: float = 2.0
-    metrics_every_s: float = METRICS_EVERY_S  # reads of SGLang's /metrics (metrics_bridge)
+    metrics_every_s: float = ENGINE_METRICS_EVERY_S  # reads of SGLang's /metrics (metrics_bridge)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
 

@@ -44,6 +44,7 @@ from sidecar.adapters.vllm.reference import EngineReference, HFReference, Submit
 from sidecar.adapters.vllm.subscriber import EventSubscriber
 from sidecar.adapters.vllm.wire import Capture
 from sidecar.checks.verifier import Sample, Verdict
+from sidecar.config.settings import ENGINE_METRICS_EVERY_S
 from sidecar.core.monitor import Monitor, SidecarConfig
 from sidecar.core.protocol import Lookup
 from sidecar.core.verdict_listeners import Stage
@@ -70,7 +71,7 @@ class VllmSidecarConfig:
     engine_url: str | None = None  # the OpenAI server, for the engine reference
     reference: str = "engine"  # "engine", "hf" or "none"
     deferred: bool = False
-    allocator_every_s: float = 2.0
+    allocator_every_s: float = ENGINE_METRICS_EVERY_S  # reads of vLLM's /metrics
     pending_limit: int = 256
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
