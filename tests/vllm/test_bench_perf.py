@@ -37,7 +37,8 @@ def _steps_row(rows: list[dict[str, Any]], pairs: int) -> list[dict[str, Any]]:
     counts the runs in small batches, not a min..max)."""
     [steps] = [r for r in rows if r["figure"].endswith("vLLM engine steps per request")]
     assert math.isfinite(steps["ratio"]) and steps["sidecar"] > 1 and steps["baseline"] > 1
-    assert f" of {pairs} on, " in steps["spread"] and steps["spread"].endswith(
+    name = "off again" if "off again" in steps["figure"] else "on N=100"
+    assert f" of {pairs} {name}, " in steps["spread"] and steps["spread"].endswith(
         f" of {pairs} off"), steps
     return [r for r in rows if r is not steps]
 

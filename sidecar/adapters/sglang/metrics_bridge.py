@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import signals as S
 from sidecar.config.settings import ENGINE_METRICS_EVERY_S
+from sidecar.export.log_limit import LimitedWarning
 from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class SglangMetricsBridge:
         self._base: float | None = None  # SGLang's cached tokens before the sidecar counted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failed = LimitedWarning(log)
 
     def start(self) -> None:
         """Read now, then every :attr:`every_s` until :meth:`stop`."""
@@ -105,7 +107,7 @@ class SglangMetricsBridge:
             series = parse(text)
         except Exception as exc:
             self.metrics.inc(S.ENGINE_SCRAPE_ERRORS)
-            log.warning("cannot read SGLang's metrics at %s: %s", self.url, exc)
+            self._failed.warn("cannot read SGLang's metrics at %s: %s", self.url, exc)
             return self.last
         counted = self.counted()
         cached = series.get("sglang:cached_tokens_total", 0.0)

@@ -11,7 +11,7 @@ import math
 from sidecar.adapters.vllm.hashing import ALGOS
 from sidecar.checks import tolerance
 from sidecar.cli.arg_types import bounded, port
-from sidecar.config.settings import ENGINE_METRICS_EVERY_S
+from sidecar.config.settings import ENGINE_METRICS_EVERY_S, POLL_PERIOD
 
 
 def _interval(text: str) -> float:
@@ -65,9 +65,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                        help="recomputed tokens per second at most (<= 0: unlimited)")
         s.add_argument("--poll-every", type=float, default=ENGINE_METRICS_EVERY_S,
                        help="seconds between reads of vLLM's /metrics, the allocator's view "
-                            "of vLLM (each read costs vLLM's HTTP process ~10 ms of CPU; "
+                            "of vLLM (each read costs vLLM's HTTP process 5-10 ms of CPU; "
                             "every 2 s tipped a saturated 2-core vLLM into small batches); "
-                            "default %(default)s")
+                            f"{POLL_PERIOD.low:g}..{POLL_PERIOD.high:g}, default %(default)s")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=port, default=9400,
                        help="the sidecar's HTTP port: /metrics, /healthz, /status (0: any "

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -58,7 +59,9 @@ def _engine_args(a: argparse.Namespace) -> int:
               "KV event endpoint)", file=sys.stderr)
         return 2
     print(" ".join(shlex.quote(f) for f in flags))
-    if a.probe:  # stderr: `$(kv-sidecar vllm engine-args ...)` keeps only the flags
+    # stderr: `$(kv-sidecar vllm engine-args ...)` keeps only the flags; not when this
+    # environment (vLLM's, as a rule) already sets it
+    if a.probe and not os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"):
         print(CPU_CORES_NOTE, file=sys.stderr)
     return 0
 

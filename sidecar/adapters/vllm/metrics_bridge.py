@@ -46,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import signals as S
 from sidecar.core.protocol import AllocatorState
+from sidecar.export.log_limit import LimitedWarning
 from sidecar.export.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class VllmMetricsBridge:
         self._lock = threading.Lock()
         self.state: AllocatorState | None = None
         metrics.inc(S.ENGINE_SCRAPE_ERRORS, 0)
+        self._failed = LimitedWarning(log)
 
     def poll(self) -> AllocatorState | None:
         """Scrape once; never raises (a failed scrape is counted and logged)."""
@@ -141,7 +143,7 @@ class VllmMetricsBridge:
             scrape = parse_metrics(text)
         except Exception as exc:
             self.metrics.inc(S.ENGINE_SCRAPE_ERRORS)
-            log.warning("reading vLLM metrics failed: %s: %s", type(exc).__name__, exc)
+            self._failed.warn("reading vLLM metrics failed: %s: %s", type(exc).__name__, exc)
             return self.state
         with self._lock:
             self._apply(scrape)

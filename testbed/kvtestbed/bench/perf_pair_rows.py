@@ -121,5 +121,5 @@ def step_rows(rounds: list[dict[str, Any]], name: str, title: str,
                 statistics.median(on), statistics.median(off), "steps",
                 statistics.median(on) / statistics.median(off), "-", None,
                 f"runs in small batches (> {SMALL_BATCHES:g}x off's median steps): "
-                f"{sum(x > cut for x in on)} of {len(on)} on, "
+                f"{sum(x > cut for x in on)} of {len(on)} {name}, "
                 f"{sum(x > cut for x in off)} of {len(off)} off")]

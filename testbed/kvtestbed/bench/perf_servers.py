@@ -10,7 +10,6 @@ Nothing here imports an engine: every engine process is a subprocess of its own 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import random
@@ -20,7 +19,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -28,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtestbed.bench.proc_cost import group_cpu_s, group_threads_cpu_s, run_clients
+from kvtestbed.bench.perf_drive import drive
+from kvtestbed.bench.proc_cost import group_cpu_s, group_threads_cpu_s
 
 BLOCK = 32  # the workload's prefix unit (tokens); each engine blocks it its own way
 
@@ -260,62 +259,6 @@ def sglang_api() -> Api:
             "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}}, usage)
 
 
-def drive(url: str, api: Api, prompts: list[list[int]], concurrency: int,
-          max_tokens: int) -> dict[str, Any]:
-    """Send ``prompts`` (in order, ``concurrency`` keep-alive clients) and time them: wall
-    seconds from the first send to the last answer, per-request latency, the engine's usage."""
-    host, port = url.removeprefix("http://").split(":")
-    lock = threading.Lock()
-    queue = list(enumerate(prompts))[::-1]
-    latencies: list[float] = [0.0] * len(prompts)
-    tokens = {"prompt": 0, "completion": 0}
-    errors: list[str] = []
-
-    def client() -> None:
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        while True:
-            with lock:
-                if not queue or errors:
-                    break
-                i, prompt = queue.pop()
-            body = json.dumps(api.body(prompt, max_tokens))
-            t0 = time.perf_counter()
-            try:
-                conn.request("POST", api.path, body, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                data = resp.read()
-                if resp.status != 200:
-                    raise OSError(f"HTTP {resp.status}: {data[:200]!r}")
-            except (OSError, http.client.HTTPException) as e:
-                with lock:
-                    errors.append(str(e))
-                break
-            latencies[i] = time.perf_counter() - t0
-            used = api.usage(json.loads(data))
-            with lock:
-                tokens["prompt"] += used[0]
-                tokens["completion"] += used[1]
-        conn.close()
-
-    wall = run_clients([client] * concurrency)
-    if errors:
-        raise RuntimeError(f"{url}: {errors[0]}")
-    lat = sorted(latencies)
-    total = tokens["prompt"] + tokens["completion"]
-    return {"requests": len(prompts), "wall_s": wall, "prompt_tokens": tokens["prompt"],
-            "completion_tokens": tokens["completion"], "tokens_per_s": total / wall,
-            "completion_tokens_per_s": tokens["completion"] / wall,
-            "requests_per_s": len(prompts) / wall, "p50_s": _quantile(lat, 0.5),
-            "p99_s": _quantile(lat, 0.99)}
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[k]
-
-
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -350,7 +293,7 @@ def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs:
         warm = workload(10_000, max(64, requests // 4, burst + 64))
         for srv in servers:
             with alone(srv, servers):
-                drive(srv.url, api, warm, concurrency, max_tokens)
+                drive(srv.url, api, warm, concurrency, max_tokens, f"{srv.name}, warm-up")
         after_warmup = {name: settled_status(srv) for name, srv in by_name.items()
                         if srv.sidecar_url}
         rounds: list[dict[str, Any]] = []
@@ -364,7 +307,7 @@ def interleaved_rounds(engine: str, by_name: dict[str, Server], api: Api, pairs:
                 said = engine_counters.read(by_name[name].url, counters)
                 with alone(by_name[name], servers):
                     runs[name] = drive(by_name[name].url, api, prompts, concurrency,
-                                       max_tokens)
+                                       max_tokens, f"{name}, round {r + 1}")
                 after = cpu_by_role(by_name[name])
                 threads_after = engine_threads(by_name[name], engine)
                 runs[name]["engine_counters"] = engine_counters.delta(

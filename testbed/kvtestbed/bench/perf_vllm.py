@@ -38,6 +38,7 @@ from typing import Any
 from kvtestbed.bench.perf_row import Row, format_table
 
 TARGETS = {1000: 0.99, 100: 0.97}  # issue 22: throughput by wall, on / off
+SAMPLE_EVERY_MAX = 10**11  # the sidecar's own bound on 1-in-N settings (sidecar.config)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,8 +97,7 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
     configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
     if control:
         configs.append((CONTROL, None))
-    servers = [S.start(py, model, name.replace(" ", "").replace("=", ""), n, reference,
-                       fingerprint_every, poll_every) for name, n in configs]
+    servers = S.start_all(py, model, configs, reference, fingerprint_every, poll_every)
     out = P.interleaved_rounds("vllm", dict(zip((c[0] for c in configs), servers, strict=True)),
                                P.openai_api(model), pairs, requests, concurrency, max_tokens,
                                counters=engine_counters.VLLM)
@@ -140,10 +140,17 @@ def run(args: argparse.Namespace) -> int:
 
     ns = list(args.vllm_sample_every or ([100] if args.quick else [1000, 100, 10]))
     pairs = 2 if args.quick else args.repeats
-    requests = args.vllm_requests or (200 if args.quick else 2000)
-    if min(ns) < 1 or requests < 1 or args.vllm_concurrency < 1:
-        print("kv-sidecar bench perf --engine vllm: N, requests and concurrency must be >= 1",
-              file=sys.stderr)
+    requests = args.vllm_requests if args.vllm_requests is not None else (
+        200 if args.quick else 2000)
+    fingerprint = args.vllm_fingerprint_every
+    bad = [f"{flag} must be {lo}..{hi:,}, got {v}" for flag, v, lo, hi in (
+        *(("--vllm-sample-every", n, 1, SAMPLE_EVERY_MAX) for n in ns),
+        ("--vllm-requests", requests, 1, 1_000_000),
+        ("--vllm-concurrency", args.vllm_concurrency, 1, 1024),
+        ("--vllm-fingerprint-every", fingerprint if fingerprint is not None else 0, 0,
+         SAMPLE_EVERY_MAX)) if not lo <= v <= hi]
+    if bad:
+        print(f"kv-sidecar bench perf --engine vllm: {bad[0]}", file=sys.stderr)
         return 2
     poll = args.vllm_poll_every
     if poll is not None and not 0.05 <= poll <= 86400:  # the sidecar's own bounds (NaN too)

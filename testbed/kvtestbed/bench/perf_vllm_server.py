@@ -33,7 +33,7 @@ def find_vllm_python(explicit: str | None) -> str:
                               "vLLM")
 
 
-__all__ = ["BLOCK", "DTYPE", "EngineMissing", "find_vllm_python", "start"]
+__all__ = ["BLOCK", "DTYPE", "EngineMissing", "find_vllm_python", "start", "start_all"]
 
 
 def _env() -> dict[str, str]:
@@ -93,3 +93,25 @@ def start(py: str, model: str, name: str, sample_every: int | None,
         "--block-size", str(BLOCK), "--enable-prefix-caching", "--max-model-len", "1024",
         "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", port, *extra], env)
     return srv
+
+
+def start_all(py: str, model: str, configs: list[tuple[str, int | None]], reference: str,
+              fingerprint_every: int | None, poll_every: float | None) -> list[Server]:
+    """:func:`start` each ``(name, sample_every)``; if one cannot start, stop those already
+    started and raise :class:`RuntimeError` naming the configuration with the last line
+    ``kv-sidecar vllm engine-args`` wrote (no server left behind, no traceback)."""
+    from kvtestbed.bench.perf_servers import stop
+
+    servers: list[Server] = []
+    try:
+        for name, n in configs:
+            servers.append(start(py, model, name.replace(" ", "").replace("=", ""), n,
+                                 reference, fingerprint_every, poll_every))
+    except subprocess.CalledProcessError as e:
+        stop(servers)
+        said = (e.stderr or "").strip().splitlines() or [f"exit status {e.returncode}"]
+        raise RuntimeError(f"{name}: kv-sidecar vllm engine-args refused: {said[-1]}") from None
+    except BaseException:
+        stop(servers)
+        raise
+    return servers
