@@ -78,3 +78,21 @@ def test_thread_rows_are_never_empty_when_every_busy_thread_shrank() -> None:
         "sched": 0.48, "io": 0.01, "idle1": 0.0, "idle2": 0.0, "idle3": 0.0}}}}]
     rows = thread_rows(rounds, "tap", "T", "E")
     assert [r.figure.split("'")[1] for r in rows] == ["io", "sched"]
+
+
+def test_a_thread_only_the_configuration_runs_has_no_ratio_and_json_stays_json() -> None:
+    """A thread absent from off (the probe's own, a ZMQ I/O thread) had a ``nan`` ratio in
+    the table and a bare ``NaN`` in ``--json``, which strict JSON readers refuse (outside
+    check, stop 48)."""
+    import json
+    from dataclasses import asdict
+
+    from kvtestbed.bench.perf_row import format_table
+
+    rounds = [{"runs": {"off": {"requests": 100, "threads_cpu_s": {"main": 1.0}},
+                        "on": {"requests": 100, "threads_cpu_s": {"main": 1.0,
+                                                                  "zmq": 0.03}}}}]
+    [new] = [r for r in thread_rows(rounds, "on", "T", "E") if "'zmq'" in r.figure]
+    assert new.ratio is None and new.baseline == 0 and new.spread == "+300 us/request"
+    assert "| 300 us | 0 us | - |" in format_table([new])
+    assert json.loads(json.dumps(asdict(new), allow_nan=False))["ratio"] is None

@@ -92,7 +92,7 @@ def thread_rows(rounds: list[dict[str, Any]], name: str, title: str,
     busy = [f for f in figures if f[0] > 0 or f[1] > 0]
     grown = sorted(busy, key=lambda x: x[1] - x[0])[:THREAD_ROWS]
     return [Row(f"{title} vs off: {engine_label} thread {t!r}, CPU per request", on * 1e6,
-                off * 1e6, "us", on / off if off > 0 else float("nan"), "-", None,
+                off * 1e6, "us", on / off if off > 0 else None, "-", None,
                 f"{(on - off) * 1e6:+.0f} us/request")
             for on, off, t in grown]
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 @dataclass
 class Row:
-    """One line of the table. ``met`` is None where the issue sets no target."""
+    """One line of the table. ``met`` is None where the issue sets no target; ``ratio`` None
+    where it has no meaning (a figure that is 0 in the baseline: shown as "-", JSON null)."""
 
     figure: str
     sidecar: float
     baseline: float
     unit: str
-    ratio: float
+    ratio: float | None
     target: str
     met: bool | None
     spread: str = ""
@@ -27,5 +28,6 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         met = "-" if r.met is None else ("yes" if r.met else "NO")
         out.append(f"| {r.figure} | {r.sidecar:.4g} {r.unit} | {r.baseline:.4g} {r.unit} | "
-                   f"{r.ratio:.3g} | {r.target} | {met} | {r.spread} |")
+                   f"{'-' if r.ratio is None else f'{r.ratio:.3g}'} | {r.target} | {met} | "
+                   f"{r.spread} |")
     return "\n".join(out)

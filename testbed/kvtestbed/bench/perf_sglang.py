@@ -162,8 +162,11 @@ def run(args: argparse.Namespace) -> int:
                 "load_average_end": round(os.getloadavg()[0], 2),
                 "seconds": round(time.monotonic() - started, 1)}
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in table], "raw": {"sglang": res},
-                          "settings": settings}, indent=2, default=str))
+        from sidecar.export.server import finite  # NaN/inf as null: JSON has none
+
+        print(json.dumps(finite({"rows": [asdict(r) for r in table], "raw": {"sglang": res},
+                                 "settings": settings}), indent=2, default=str,
+                         allow_nan=False))
     else:
         print(format_table(table))
         print(f"\n{settings['seconds']}s; medians of {pairs} interleaved pair(s) of "
