@@ -83,16 +83,3 @@ def test_no_row_without_the_count() -> None:
     rounds = _rounds([700, 700], [700, 700])
     del rounds[1]["runs"]["on"]["engine_counters"]
     assert step_rows(rounds, "on", "x", "vLLM") == []
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "nan", "1e9"])
-def test_a_bad_poll_period_is_one_line_before_any_server(value: str,
-                                                         capsys: pytest.CaptureFixture[str]
-                                                         ) -> None:
-    from sidecar.cli.main import main
-
-    # --vllm-python pointing nowhere: the flag is refused first, not the missing vLLM
-    assert main(["bench", "perf", "--engine", "vllm", "--vllm-poll-every", value,
-                 "--vllm-python", "/nonexistent/python"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--vllm-poll-every must be 0.05..86400 seconds" in err[0], err

@@ -1,6 +1,7 @@
 """``kv-sidecar bench perf --engine sglang --quick``, run as a user would: two real SGLang
 servers (SGLang's own radix cache, and the kv-sidecar backend with the tap at 1 in 100 and
-``kv-sidecar sglang serve`` beside it), two interleaved pairs. The ``--kv-canary`` server is
+``kv-sidecar sglang serve`` beside it) and an A/A control (a second off server), two
+interleaved pairs. The ``--kv-canary`` server is
 left out here to keep the stage short (the recorded full run has it, docs/bench/perf.md). The
 machine is loaded, so the test holds the JSON's structure, that every ratio is finite and
 positive and that the tap saw the timed traffic, not the issue's threshold (the full run's)."""
@@ -35,12 +36,21 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(1000)
 def test_quick_json_structure() -> None:
-    proc = _run("--quick", "--json", "--sglang-no-canary", "--sglang-requests", str(REQUESTS))
+    proc = _run("--quick", "--json", "--sglang-no-canary", "--sglang-control",
+                "--sglang-requests", str(REQUESTS))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     assert out["settings"]["engine"] == "sglang" and out["settings"]["pairs"] == 2
     assert out["settings"]["sample_every"] == [100] and out["settings"]["canary"] is False
-    rows = split_thread_rows(out["rows"], "SGLang")
+    # The A/A control (a second off server) first: how far two identical servers differ.
+    control = [r for r in out["rows"] if "off again (A/A control" in r["figure"]]
+    assert control == out["rows"][:len(control)] and control
+    assert [r["figure"].rsplit(": ", 1)[1] for r in split_thread_rows(control, "SGLang")] == [
+        "tokens/s by wall time", "request P50 latency", "request P99 latency",
+        "CPU seconds of SGLang's processes per run, vs SGLang's off"]
+    for r in control:
+        assert r["target"] == "-" and r["met"] is None and r["sidecar"] > 0, r
+    rows = split_thread_rows(out["rows"][len(control):], "SGLang")
     assert [r["figure"].rsplit(": ", 1)[1] for r in rows] == [
         "tokens/s by wall time", "request P50 latency", "request P99 latency",
         "CPU seconds of SGLang's processes per run, vs SGLang's off",
@@ -63,7 +73,7 @@ def test_quick_json_structure() -> None:
     raw = out["raw"]["sglang"]
     assert len(raw["rounds"]) == 2
     for rd in raw["rounds"]:
-        assert sorted(rd["order"]) == ["off", "tap N=100"]
+        assert sorted(rd["order"]) == ["off", "off again", "tap N=100"]
         for run in rd["runs"].values():
             assert run["requests"] == REQUESTS and run["completion_tokens"] == REQUESTS * 8
             assert run["wall_s"] > 0 and run["p99_s"] >= run["p50_s"] > 0
@@ -79,6 +89,8 @@ def test_quick_json_structure() -> None:
     st = raw["sidecar_status"]["tap N=100"]
     assert st["end"]["lookups"] - st["after_warmup"]["lookups"] >= 2 * REQUESTS
     assert st["end"]["anomalies"] == {}
+    MEASUREMENTS["bench perf --engine sglang --quick: tokens/s A/A control/off"] = (
+        f"{control[0]['ratio']:.3g} ({control[0]['spread']})")
     MEASUREMENTS["bench perf --engine sglang --quick: tokens/s tap/off at N=100"] = (
         f"{rows[0]['ratio']:.3g} ({rows[0]['spread']}), {out['settings']['seconds']} s")
 

@@ -31,6 +31,7 @@ from kvtestbed.bench.perf_row import Row, format_table
 
 TARGETS = {1000: 0.98}  # issue 24: throughput by wall, tap on / off
 CANARY = "--kv-canary"
+CONTROL = "off again"  # --sglang-control: a second off server, the A/A resolution
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sglang-reference", default="none", choices=("none", "hf"),
                    help="with --engine sglang: the sidecar's recompute reference (default: "
                         "none; hf: recompute sampled hits in the sidecar's process)")
+    p.add_argument("--sglang-control", action="store_true",
+                   help="with --engine sglang: also run a second off server (an A/A control: "
+                        "how far two identical servers differ on this host, the resolution "
+                        "of every ratio)")
     p.add_argument("--sglang-no-canary", action="store_true",
                    help="with --engine sglang: leave out the --kv-canary configuration")
 
@@ -63,9 +68,11 @@ def rows(res: dict[str, Any], names: list[str]) -> list[Row]:
     from kvtestbed.bench.perf_pair_rows import pair_rows
 
     out: list[Row] = []
-    for name in names:
+    for name in sorted(names, key=lambda x: x != CONTROL):  # the control's rows first
         n = int(name.split("=")[1]) if name.startswith("tap") else None
-        what = f"tap 1 in {n}" if n else "--kv-canary (log, real data all)"
+        what = f"tap 1 in {n}" if n else ("off again (A/A control, no sidecar)"
+                                          if name == CONTROL else
+                                          "--kv-canary (log, real data all)")
         out += pair_rows(res, name, res["ratios"][name], f"SGLang {what}", "sglang", "SGLang",
                          TARGETS.get(n) if n else None, sidecar=n is not None)
         if n:
@@ -108,6 +115,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-sidecar bench perf --engine sglang: {msg}", file=sys.stderr)
         return code
 
+    ns = list(args.sglang_sample_every or ([100] if args.quick else [1000, 100]))
+    pairs = 2 if args.quick else args.repeats
+    requests = args.sglang_requests if args.sglang_requests is not None else (
+        60 if args.quick else 1200)
+    bad = [f"{flag} must be {lo}..{hi:,}, got {v}" for flag, v, lo, hi in (
+        *(("--sglang-sample-every", n, 1, 10**11) for n in ns),  # the sidecar's own bound
+        ("--sglang-requests", requests, 1, 1_000_000),
+        ("--sglang-concurrency", args.sglang_concurrency, 1, 1024)) if not lo <= v <= hi]
+    if bad:  # before looking for SGLang or starting anything
+        return fail(bad[0], 2)
     try:
         py = S.find_sglang_python(args.sglang_python)
     except (P.EngineMissing, OSError) as e:
@@ -115,16 +132,13 @@ def run(args: argparse.Namespace) -> int:
     shims = Path(args.sglang_shims) if args.sglang_shims else S.default_shims()
     if shims is not None and not shims.is_dir():
         return fail(f"--sglang-shims {shims}: not a directory", 2)
-    ns = list(args.sglang_sample_every or ([100] if args.quick else [1000, 100]))
-    pairs = 2 if args.quick else args.repeats
-    requests = args.sglang_requests or (60 if args.quick else 1200)
-    if min(ns) < 1 or requests < 1 or args.sglang_concurrency < 1:
-        return fail("N, requests and concurrency must be >= 1", 2)
     from kvtestbed.tiny_models.tiny_llama import write_tiny_llama
 
     configs = [("off", "off", None)] + [(config_name(n), "tap", n) for n in ns]
     if not args.sglang_no_canary:
         configs.append((CANARY, "canary", None))
+    if args.sglang_control:
+        configs.append((CONTROL, "off", None))
     load_start = os.getloadavg()[0]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvs-perf-model-") as d:
@@ -153,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {"engine": "sglang", "quick": args.quick, "pairs": pairs, "sample_every": ns,
                 "requests_per_run": requests, "concurrency": args.sglang_concurrency,
                 "reference": args.sglang_reference, "canary": not args.sglang_no_canary,
+                "control": args.sglang_control,
                 "canary_failed": canary_failed,
                 "model": "tiny random Llama (tests/sglang)", "dtype": S.DTYPE,
                 "tap_block": S.TAP_BLOCK, "sglang_python": py,
