@@ -12,8 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from kvtestbed.bench.perf_drive import drive
-from kvtestbed.bench.perf_servers import sglang_api
+from kvtestbed.bench.perf_drive import drive, sglang_api
 
 ANSWER = json.dumps({"meta_info": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
 

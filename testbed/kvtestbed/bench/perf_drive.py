@@ -1,5 +1,6 @@
-"""The clients of the real-engine benches (``bench perf --engine vllm|sglang``): send a run's
-prompts over keep-alive connections and time them.
+"""The clients of the real-engine benches (``bench perf --engine vllm|sglang``): how each
+engine's server takes a prompt (:class:`Api`), and sending a run's prompts over keep-alive
+connections, timed (:func:`drive`).
 
 A connection the server closed while it sat idle (uvicorn drops keep-alive connections
 after 5 s; a loaded 2-core host stalls a client that long) fails the next request before
@@ -14,12 +15,47 @@ import http.client
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kvtestbed.bench.proc_cost import run_clients
 
-if TYPE_CHECKING:
-    from kvtestbed.bench.perf_servers import Api
+
+@dataclass(frozen=True)
+class Api:
+    """How one engine's server takes a prompt of token ids and says what it used: the path,
+    the JSON body, and (prompt, completion) token counts from the answer."""
+
+    path: str
+    body: Callable[[list[int], int], dict[str, Any]]
+    usage: Callable[[dict[str, Any]], tuple[int, int]]
+
+
+def openai_api(model: str) -> Api:
+    """``/v1/completions`` (vLLM): exactly ``max_tokens`` tokens, greedy; usage from the
+    answer's ``usage``."""
+    def usage(answer: dict[str, Any]) -> tuple[int, int]:
+        u = answer.get("usage") or {}
+        return int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+
+    return Api("/v1/completions", lambda prompt, n: {
+        "model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n,
+        "temperature": 0.0}, usage)
+
+
+def sglang_api() -> Api:
+    """SGLang's native ``/generate`` with ``input_ids`` (its server runs without a tokenizer
+    here, which refuses ``min_new_tokens``): exactly ``max_new_tokens`` by ``ignore_eos``,
+    greedy; usage from ``meta_info``."""
+    def usage(answer: dict[str, Any]) -> tuple[int, int]:
+        m = answer.get("meta_info") or {}
+        return int(m.get("prompt_tokens", 0)), int(m.get("completion_tokens", 0))
+
+    return Api("/generate", lambda prompt, n: {
+        "input_ids": prompt, "sampling_params": {
+            "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}}, usage)
+
 
 # Failures of a request on a connection the server had already closed (nothing answered).
 CLOSED = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)

@@ -21,12 +21,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtestbed.bench.perf_drive import drive
+from kvtestbed.bench.perf_drive import Api, drive
 from kvtestbed.bench.proc_cost import group_cpu_s, group_threads_cpu_s
 
 BLOCK = 32  # the workload's prefix unit (tokens); each engine blocks it its own way
@@ -222,41 +222,6 @@ def workload(seed: int, requests: int, prefixes: int = 8, suffix: int = 12
              for i in range(prefixes)]
     return [heads[i % prefixes] + [rng.randrange(3, 500) for _ in range(suffix)]
             for i in range(requests)]
-
-
-@dataclass(frozen=True)
-class Api:
-    """How one engine's server takes a prompt of token ids and says what it used: the path,
-    the JSON body, and (prompt, completion) token counts from the answer."""
-
-    path: str
-    body: Callable[[list[int], int], dict[str, Any]]
-    usage: Callable[[dict[str, Any]], tuple[int, int]]
-
-
-def openai_api(model: str) -> Api:
-    """``/v1/completions`` (vLLM): exactly ``max_tokens`` tokens, greedy; usage from the
-    answer's ``usage``."""
-    def usage(answer: dict[str, Any]) -> tuple[int, int]:
-        u = answer.get("usage") or {}
-        return int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
-
-    return Api("/v1/completions", lambda prompt, n: {
-        "model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n,
-        "temperature": 0.0}, usage)
-
-
-def sglang_api() -> Api:
-    """SGLang's native ``/generate`` with ``input_ids`` (its server runs without a tokenizer
-    here, which refuses ``min_new_tokens``): exactly ``max_new_tokens`` by ``ignore_eos``,
-    greedy; usage from ``meta_info``."""
-    def usage(answer: dict[str, Any]) -> tuple[int, int]:
-        m = answer.get("meta_info") or {}
-        return int(m.get("prompt_tokens", 0)), int(m.get("completion_tokens", 0))
-
-    return Api("/generate", lambda prompt, n: {
-        "input_ids": prompt, "sampling_params": {
-            "max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}}, usage)
 
 
 def _summary(values: list[float]) -> dict[str, float]:

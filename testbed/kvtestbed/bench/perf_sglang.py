@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtestbed.bench import perf_servers as P
     from kvtestbed.bench import perf_sglang_server as S
+    from kvtestbed.bench.perf_drive import sglang_api
 
     def fail(msg: str, code: int) -> int:
         print(f"kv-sidecar bench perf --engine sglang: {msg}", file=sys.stderr)
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                     configs = [c for c in configs if c[0] != CANARY]
                     print(f"kv-sidecar bench perf --engine sglang: {CANARY} did not start, "
                           f"measured without it: {canary_failed}", file=sys.stderr)
-            res = P.interleaved_rounds("sglang", servers, P.sglang_api(), pairs, requests,
+            res = P.interleaved_rounds("sglang", servers, sglang_api(), pairs, requests,
                                        args.sglang_concurrency, max_tokens=8,
                                        ready_timeout_s=900.0, started=t_start)
         except RuntimeError as e:

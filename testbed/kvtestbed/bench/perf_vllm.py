@@ -93,13 +93,14 @@ def measure(py: str, model: str, ns: list[int], pairs: int, requests: int,
     from kvtestbed.bench import engine_counters
     from kvtestbed.bench import perf_servers as P
     from kvtestbed.bench import perf_vllm_server as S
+    from kvtestbed.bench.perf_drive import openai_api
 
     configs: list[tuple[str, int | None]] = [("off", None)] + [(config_name(n), n) for n in ns]
     if control:
         configs.append((CONTROL, None))
     servers = S.start_all(py, model, configs, reference, fingerprint_every, poll_every)
     out = P.interleaved_rounds("vllm", dict(zip((c[0] for c in configs), servers, strict=True)),
-                               P.openai_api(model), pairs, requests, concurrency, max_tokens,
+                               openai_api(model), pairs, requests, concurrency, max_tokens,
                                counters=engine_counters.VLLM)
     out["ratios"] = {"control" if name == CONTROL else ratio_key(n or 0): out["ratios"][name]
                      for name, n in configs[1:]}
